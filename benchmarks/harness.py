@@ -1,0 +1,242 @@
+"""Timing and reporting shared by the benchmark modules.
+
+Method, and why:
+
+- Every run builds a fresh loader and iterates it once (one epoch). Worker
+  start-up is timed separately as "time to first batch"; the throughput window
+  opens only after a few warm-up batches, so it measures the steady state that
+  dominates a real epoch rather than the start-up cost.
+- fastloader and torch runs alternate, and the order flips every repeat
+  (A B, B A, A B, ...), so slow drift in the load of a shared machine hits both
+  libraries alike instead of always favouring whichever ran first.
+- Results are medians with their min-max spread: on a noisy box one stalled run
+  must not move the verdict, and the spread shows how far to trust it.
+- Before each run the harness waits for the previous loader's worker processes
+  to exit, so a lingering worker does not steal a core from the next run.
+- Each loader class first gets one short untimed epoch: the first loader in a
+  fresh process measurably pays for lazy imports and first-use set-up (about
+  10-20% on tiny batches), which would always penalise whichever ran first.
+"""
+
+import gc
+import mmap
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+MIB = 1 << 20
+
+# Tensors below this size are summed whole: that costs microseconds and gives a
+# meaningful checksum. Bigger ones are read one element per page, which faults
+# in every page (the real cost of a fresh mapping, which is exactly where
+# shared-memory designs differ) without adding a full memory pass that would
+# dilute the difference between the loaders.
+_SMALL_TENSOR_BYTES = 64 * 1024
+
+# How long to wait for a finished loader's workers to exit before warning.
+_WORKER_EXIT_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """One epoch of one loader."""
+
+    first_batch_s: float  # iter() to the first batch in hand, worker start-up included
+    timed_s: float  # wall time of the batches after the warm-up
+    timed_batches: int
+    timed_samples: int
+    timed_bytes: int  # bytes of every tensor in the timed batches
+    main_cpu_s: float  # CPU time the main process spent in the timed window
+    checksum: float
+
+    @property
+    def samples_per_s(self):
+        return self.timed_samples / self.timed_s
+
+    @property
+    def mib_per_s(self):
+        return self.timed_bytes / MIB / self.timed_s
+
+
+@dataclass(frozen=True)
+class Stats:
+    median: float
+    low: float
+    high: float
+
+    @classmethod
+    def of(cls, values):
+        values = list(values)
+        return cls(statistics.median(values), min(values), max(values))
+
+
+def iter_tensors(batch):
+    """Yield every tensor in a (possibly nested) collated batch."""
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif isinstance(batch, dict):
+        for value in batch.values():
+            yield from iter_tensors(value)
+    elif isinstance(batch, (list, tuple)):
+        for value in batch:
+            yield from iter_tensors(value)
+
+
+def touch(batch):
+    """Read the batch as a consumer would start to, and return a checksum.
+
+    Zero-copy loaders hand out views of shared memory, so a benchmark that never
+    reads the tensors would not pay for their pages at all.
+    """
+    checksum = 0.0
+    for tensor in iter_tensors(batch):
+        flat = tensor.reshape(-1)
+        if tensor.nbytes > _SMALL_TENSOR_BYTES:
+            flat = flat[:: max(1, mmap.PAGESIZE // tensor.element_size())]
+        checksum += float(flat.sum(dtype=torch.float64))
+    return checksum
+
+
+def batch_size_of(batch):
+    """Samples in a batch: the leading dimension of its first tensor."""
+    first = next(iter_tensors(batch), None)
+    return 0 if first is None or first.dim() == 0 else len(first)
+
+
+def time_one_epoch(loader, warmup_batches):
+    """Iterate ``loader`` once with a plain ``for`` loop, as user code does.
+
+    The last timestamp is taken right after the last batch is consumed, so the
+    worker shutdown that follows the end of the epoch is not timed.
+    """
+    checksum = 0.0
+    timed_batches = timed_samples = timed_bytes = 0
+    first_batch_s = timed_start = last_batch_end = cpu_start = cpu_end = None
+    index = -1
+    start = time.perf_counter()
+    # Not enumerate(): its reused result tuple keeps the previous batch alive
+    # while the next one is being fetched.
+    for batch in loader:
+        index += 1
+        checksum += touch(batch)
+        if index >= warmup_batches:
+            timed_batches += 1
+            timed_samples += batch_size_of(batch)
+            timed_bytes += sum(t.nbytes for t in iter_tensors(batch))
+        # Drop the batch before asking for the next one: holding it would pin
+        # a buffer (a ring slot, for fastloader) that a real training loop
+        # would have released by then.
+        del batch
+        now = time.perf_counter()
+        if index == 0:
+            first_batch_s = now - start
+        if index == warmup_batches - 1:
+            timed_start, cpu_start = now, time.process_time()
+        last_batch_end, cpu_end = now, time.process_time()
+    if timed_batches == 0:
+        raise ValueError(f"the epoch had no batches after {warmup_batches} warm-up batches")
+    return RunResult(
+        first_batch_s=first_batch_s,
+        timed_s=last_batch_end - timed_start,
+        timed_batches=timed_batches,
+        timed_samples=timed_samples,
+        timed_bytes=timed_bytes,
+        main_cpu_s=cpu_end - cpu_start,
+        checksum=checksum,
+    )
+
+
+def wait_for_workers_to_exit(children_before):
+    """Wait until the child processes a loader started have exited.
+
+    Only waits (never kills): a worker that outlives its loader is a finding
+    to report, not something for the benchmark to hide.
+    """
+    gc.collect()  # an iterator caught in a reference cycle would keep its workers
+    lingering = [
+        child
+        for child in psutil.Process().children(recursive=True)
+        if child.pid not in children_before
+    ]
+    _, alive = psutil.wait_procs(lingering, timeout=_WORKER_EXIT_TIMEOUT_S)
+    if alive:
+        pids = ", ".join(str(p.pid) for p in alive)
+        progress(f"warning: loader worker(s) still running {_WORKER_EXIT_TIMEOUT_S:.0f} s after the epoch: {pids}")
+
+
+def warm_up(loader, batches):
+    """Consume the first ``batches`` batches untimed, then drop the iterator."""
+    iterator = iter(loader)
+    for _ in range(batches):
+        batch = next(iterator, None)
+        if batch is None:  # an epoch shorter than the warm-up
+            break
+        touch(batch)
+        del batch
+    # Dropping a live iterator mid-epoch is part of the DataLoader contract:
+    # it must stop the workers, which the caller then waits for.
+    del iterator
+
+
+def run_alternating(build_loader, loader_classes, repeats, warmup_batches, on_run=None):
+    """Time ``repeats`` epochs per loader class, alternating the classes.
+
+    ``build_loader(cls)`` returns a fresh loader; ``loader_classes`` maps a
+    display name to a DataLoader class. Returns ``{name: [RunResult, ...]}``.
+    ``on_run(repeat, name, result)`` is called after every run (for progress).
+    """
+    names = list(loader_classes)
+    results = {name: [] for name in names}
+    children_before = {child.pid for child in psutil.Process().children(recursive=True)}
+    for name in names:
+        warm_up(build_loader(loader_classes[name]), 2 * warmup_batches)
+        wait_for_workers_to_exit(children_before)
+    for repeat in range(repeats):
+        order = names if repeat % 2 == 0 else names[::-1]
+        for name in order:
+            loader = build_loader(loader_classes[name])
+            result = time_one_epoch(loader, warmup_batches)
+            del loader
+            wait_for_workers_to_exit(children_before)
+            results[name].append(result)
+            if on_run is not None:
+                on_run(repeat, name, result)
+    return results
+
+
+def checksums_agree(results):
+    """True if every run of every loader delivered the same data."""
+    checksums = {run.checksum for runs in results.values() for run in runs}
+    return len(checksums) == 1
+
+
+def markdown_table(headers, rows, align=None):
+    """A Markdown table padded so it also reads well in a terminal.
+
+    ``align`` is a string with one ``l`` or ``r`` per column (default: first
+    column left, the rest right).
+    """
+    align = align or "l" + "r" * (len(headers) - 1)
+    cells = [list(map(str, headers))] + [list(map(str, row)) for row in rows]
+    widths = [max(len(row[col]) for row in cells) for col in range(len(headers))]
+
+    def line(row):
+        padded = (
+            cell.ljust(width) if how == "l" else cell.rjust(width)
+            for cell, width, how in zip(row, widths, align)
+        )
+        return "| " + " | ".join(padded) + " |"
+
+    rule = "|" + "|".join(
+        "-" * (width + 1) + (":" if how == "r" else "-") for width, how in zip(widths, align)
+    ) + "|"
+    return "\n".join([line(cells[0]), rule] + [line(row) for row in cells[1:]])
+
+
+def progress(message):
+    """Progress goes to stderr so stdout holds only the report."""
+    print(message, file=sys.stderr, flush=True)

@@ -1,0 +1,307 @@
+"""Steady-state throughput of fastloader.DataLoader against torch's DataLoader.
+
+    python -m benchmarks.throughput                  # full run (what `make bench` runs)
+    python -m benchmarks.throughput --quick          # smoke run, ~30 s
+    python -m benchmarks.throughput --workloads tiny,image --repeats 7 --json out.json
+    python -m benchmarks.throughput --context spawn
+
+Workloads (budgets from DESIGN.md, "Budgets"):
+
+    tiny   16 float32 + int label per sample     samples/s   >= 5.0x torch
+    image  uint8 3x224x224 + int label           MiB/s       >= 1.5x torch
+    cpu    ~1 ms of pure Python per sample       samples/s   >= 1.0x torch
+
+Both loaders are built with the same arguments (batch 64, 2 workers, fork
+unless --context says otherwise); fastloader runs with its default
+sharing_strategy. Progress goes to stderr, the Markdown report to stdout.
+The exit status is 0 unless --check is given and a budget is clearly missed.
+"""
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+import torch.utils.data
+
+from benchmarks import datasets
+from benchmarks.harness import (
+    Stats,
+    checksums_agree,
+    markdown_table,
+    progress,
+    run_alternating,
+)
+
+FASTLOADER = "fastloader"
+TORCH = "torch"
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    make_dataset: Callable[[int], torch.utils.data.Dataset]
+    unit: str  # "samples/s" or "MiB/s"
+    budget: float  # minimum fastloader/torch throughput ratio
+    # Batches timed after the warm-up, sized for a timed window of ~3 s for
+    # torch (~1 s with --quick) on the 2-core reference machine: long enough to
+    # average out scheduler noise, short enough that a default run of all three
+    # workloads stays under ~3 minutes and a quick one near 30 s.
+    timed_batches: int
+    quick_timed_batches: int
+
+
+WORKLOADS = {
+    w.name: w
+    for w in (
+        Workload("tiny", datasets.TinyDataset, "samples/s", 5.0, 2500, 800),
+        Workload("image", datasets.ImageDataset, "MiB/s", 1.5, 600, 200),
+        Workload("cpu", datasets.CpuBoundDataset, "samples/s", 1.0, 100, 32),
+    )
+}
+
+
+@dataclass(frozen=True)
+class WorkloadReport:
+    workload: Workload
+    throughput: dict  # loader name -> Stats, in workload.unit
+    first_batch_ms: dict  # loader name -> Stats
+    ratio: float  # fastloader median / torch median
+    # fastloader / torch within each repeat: the two runs of a repeat are
+    # adjacent in time, so their ratio is the one least disturbed by drift.
+    paired_ratios: Stats
+    data_agrees: bool
+    runs: dict  # loader name -> [RunResult]
+
+    @property
+    def met(self):
+        return self.data_agrees and self.ratio >= self.workload.budget
+
+    @property
+    def clearly_missed(self):
+        """Missed even by the best repeat: not explained by the machine's noise."""
+        return not self.data_agrees or self.paired_ratios.high < self.workload.budget
+
+    @property
+    def verdict(self):
+        if not self.data_agrees:
+            return "INVALID: data differs"
+        if self.met:
+            return "met"
+        return "NOT met" if self.clearly_missed else "NOT met (within noise)"
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.throughput",
+        description="Throughput of fastloader.DataLoader vs torch.utils.data.DataLoader.",
+    )
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: fewer batches and 3 repeats (~30 s)")
+    parser.add_argument("--repeats", type=_positive_int, default=None,
+                        help="runs per loader per workload (default 5, 3 with --quick)")
+    parser.add_argument("--workloads", type=_workload_list, default=list(WORKLOADS),
+                        help=f"comma-separated subset of {','.join(WORKLOADS)} (default: all)")
+    parser.add_argument("--context", choices=("fork", "spawn", "forkserver"), default="fork",
+                        help="multiprocessing start method for the workers (default: fork)")
+    parser.add_argument("--num-workers", type=_positive_int, default=2)
+    parser.add_argument("--batch-size", type=_positive_int, default=64)
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--check", action="store_true",
+                        help="exit with status 1 if a budget is clearly missed (by every "
+                             "repeat, not just the median) or the loaders' data differs")
+    parser.add_argument("-v", "--verbose", action="store_true", help="a progress line per run")
+    args = parser.parse_args(argv)
+    if args.repeats is None:
+        args.repeats = 3 if args.quick else 5
+    return args
+
+
+def _positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _workload_list(text):
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in WORKLOADS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown workload(s) {unknown or text!r}; choose from {','.join(WORKLOADS)}")
+    return names
+
+
+def import_fastloader():
+    """fastloader's DataLoader class, or exit with a hint if it is not importable."""
+    try:
+        import fastloader
+    except ImportError as error:
+        sys.exit(f"cannot import fastloader ({error}); build it first (e.g. `pip install -e .`)")
+    loader_cls = fastloader.DataLoader
+    if not issubclass(loader_cls, torch.utils.data.DataLoader):
+        sys.exit("fastloader.DataLoader is not a subclass of torch.utils.data.DataLoader")
+    if loader_cls is torch.utils.data.DataLoader:
+        progress("warning: fastloader.DataLoader *is* torch's DataLoader; ratios will be ~1.0")
+    return fastloader, loader_cls
+
+
+def warmup_batches(num_workers):
+    """Untimed batches at the start of each epoch.
+
+    Covers worker start-up and the filling of torch's prefetch pipeline (two
+    batches per worker by default): batches that were already waiting when the
+    clock started would flatter whichever loader prefetched more.
+    """
+    return 4 * num_workers
+
+
+def throughput_of(workload, result):
+    return result.mib_per_s if workload.unit == "MiB/s" else result.samples_per_s
+
+
+def benchmark_workload(workload, args, loader_classes):
+    warmup = warmup_batches(args.num_workers)
+    timed = workload.quick_timed_batches if args.quick else workload.timed_batches
+    # Exactly one epoch of warm-up plus timed batches, so every run ends by
+    # exhausting its iterator, the way torch shuts its workers down normally.
+    dataset = workload.make_dataset((warmup + timed) * args.batch_size)
+    loader_kwargs = dict(batch_size=args.batch_size, num_workers=args.num_workers,
+                         multiprocessing_context=args.context)
+
+    def on_run(repeat, name, result):
+        if args.verbose:
+            progress(f"  {workload.name} repeat {repeat + 1}/{args.repeats} {name:<10} "
+                     f"{_format_rate(throughput_of(workload, result), workload.unit):>10} "
+                     f"{workload.unit}, first batch {result.first_batch_s * 1e3:.0f} ms")
+
+    runs = run_alternating(lambda cls: cls(dataset, **loader_kwargs), loader_classes,
+                           args.repeats, warmup, on_run)
+    throughput = {name: Stats.of(throughput_of(workload, r) for r in rs) for name, rs in runs.items()}
+    first_batch_ms = {name: Stats.of(r.first_batch_s * 1e3 for r in rs) for name, rs in runs.items()}
+    paired_ratios = Stats.of(
+        throughput_of(workload, fast) / throughput_of(workload, reference)
+        for fast, reference in zip(runs[FASTLOADER], runs[TORCH])
+    )
+    return WorkloadReport(
+        workload=workload,
+        throughput=throughput,
+        first_batch_ms=first_batch_ms,
+        ratio=throughput[FASTLOADER].median / throughput[TORCH].median,
+        paired_ratios=paired_ratios,
+        data_agrees=checksums_agree(runs),
+        runs=runs,
+    )
+
+
+def _format_rate(value, unit):
+    return f"{value:,.1f}" if unit == "MiB/s" else f"{value:,.0f}"
+
+
+def _format_stats(stats, unit):
+    return (f"{_format_rate(stats.median, unit)} "
+            f"({_format_rate(stats.low, unit)}-{_format_rate(stats.high, unit)})")
+
+
+def render_report(reports, args):
+    headers = ["workload", "unit", "fastloader median (min-max)", "torch median (min-max)",
+               "ratio (per-repeat min-max)", "budget", "result", "1st batch ms fastloader / torch"]
+    rows = []
+    for report in reports:
+        unit = report.workload.unit
+        rows.append([
+            report.workload.name,
+            unit,
+            _format_stats(report.throughput[FASTLOADER], unit),
+            _format_stats(report.throughput[TORCH], unit),
+            f"{report.ratio:.2f}x ({report.paired_ratios.low:.2f}-{report.paired_ratios.high:.2f})",
+            f">= {report.workload.budget:.1f}x",
+            report.verdict,
+            f"{report.first_batch_ms[FASTLOADER].median:.0f} / {report.first_batch_ms[TORCH].median:.0f}",
+        ])
+    notes = [
+        "",
+        f"{args.repeats} alternating repeats per loader, {args.num_workers} workers, "
+        f"batch {args.batch_size}, start method {args.context}; throughput over the batches "
+        f"after {warmup_batches(args.num_workers)} warm-up batches "
+        f"({'quick' if args.quick else 'full'} run).",
+        "Ratio = fastloader median / torch median; in brackets the range of fastloader/torch "
+        "within each repeat. \"Within noise\": the median misses the budget but some repeat meets it.",
+    ]
+    for report in reports:
+        if not report.data_agrees:
+            notes.append(f"WARNING: {report.workload.name}: the loaders delivered different data "
+                         "(checksums differ), so its throughput does not count.")
+    return markdown_table(headers, rows, align="llrrrrlr") + "\n" + "\n".join(notes)
+
+
+def report_to_json(reports, args, fastloader_module):
+    return {
+        "benchmark": "throughput",
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "environment": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "fastloader": getattr(fastloader_module, "__version__", None),
+            "fastloader_path": getattr(fastloader_module, "__file__", None),
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+        },
+        "settings": {key: value for key, value in vars(args).items() if key not in ("json",)},
+        "warmup_batches": warmup_batches(args.num_workers),
+        "workloads": [
+            {
+                "name": report.workload.name,
+                "unit": report.workload.unit,
+                "budget": report.workload.budget,
+                "ratio": report.ratio,
+                "paired_ratios": asdict(report.paired_ratios),
+                "met": report.met,
+                "clearly_missed": report.clearly_missed,
+                "verdict": report.verdict,
+                "data_agrees": report.data_agrees,
+                "throughput": {name: asdict(stats) for name, stats in report.throughput.items()},
+                "first_batch_ms": {name: asdict(stats) for name, stats in report.first_batch_ms.items()},
+                "runs": {name: [asdict(run) for run in runs] for name, runs in report.runs.items()},
+            }
+            for report in reports
+        ],
+    }
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    fastloader_module, fastloader_cls = import_fastloader()
+    loader_classes = {FASTLOADER: fastloader_cls, TORCH: torch.utils.data.DataLoader}
+    progress(f"fastloader {getattr(fastloader_module, '__version__', '?')} "
+             f"({fastloader_module.__file__}) vs torch {torch.__version__}; "
+             f"{args.num_workers} workers, {args.context}, {args.repeats} repeats")
+    reports = []
+    for position, name in enumerate(args.workloads, start=1):
+        started = time.perf_counter()
+        report = benchmark_workload(WORKLOADS[name], args, loader_classes)
+        reports.append(report)
+        unit = report.workload.unit
+        progress(f"[{position}/{len(args.workloads)}] {name}: "
+                 f"fastloader {_format_rate(report.throughput[FASTLOADER].median, unit)} {unit}, "
+                 f"torch {_format_rate(report.throughput[TORCH].median, unit)} {unit}, "
+                 f"ratio {report.ratio:.2f}x ({report.verdict}) "
+                 f"in {time.perf_counter() - started:.0f} s")
+    print(render_report(reports, args))
+    if args.json:
+        with open(args.json, "w") as stream:
+            json.dump(report_to_json(reports, args, fastloader_module), stream, indent=2)
+            stream.write("\n")
+    if args.check and any(report.clearly_missed for report in reports):
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

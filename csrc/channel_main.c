@@ -1,0 +1,709 @@
+/* MainChannel: the main process's end of one worker. It creates the control
+ * block, sends tasks, receives results (mapping the worker's arenas and overflow
+ * segments as they are announced) and decodes batches into views of the slots.
+ * fl_recv waits on every worker at once: result eventfds and pidfds in one poll,
+ * GIL released, woken by a worker's death, the timeout and Ctrl-C. */
+#define _GNU_SOURCE
+#define NO_IMPORT_ARRAY
+#define PY_ARRAY_UNIQUE_SYMBOL fastloader_ARRAY_API
+#include "objects.h"
+#include "codec.h"
+#include "pool.h"
+#include "shm.h"
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+/* message that travels with a segment fd over the channel's socket */
+typedef struct {
+    uint64_t seg_id;
+    uint64_t size;
+} fl_fdmsg;
+
+static void
+close_fd(int *fd)
+{
+    if (*fd >= 0) {
+        close(*fd);
+        *fd = -1;
+    }
+}
+
+static uint64_t
+next_pow2(uint64_t v)
+{
+    uint64_t p = 1;
+    while (p < v)
+        p <<= 1;
+    return p;
+}
+
+static PyObject *
+mainchan_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"worker_id", "strategy", "prefix", "task_capacity",
+                             "result_capacity", NULL};
+    int wid, strategy;
+    const char *prefix;
+    unsigned long long task_cap;
+    unsigned int res_cap;
+    int err = 0, code = FL_OK;
+    const char *what = "creating the control block";
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iisKI", kwlist, &wid, &strategy, &prefix,
+                                     &task_cap, &res_cap))
+        return NULL;
+    if (strlen(prefix) >= 180) {
+        PyErr_SetString(PyExc_ValueError, "fastloader: segment prefix too long");
+        return NULL;
+    }
+    MainChannelObject *c = (MainChannelObject *)type->tp_alloc(type, 0);
+    if (c == NULL)
+        return NULL;
+    c->ctl_fd = c->efd_main = c->efd_worker = c->sock_main = c->sock_worker = c->pidfd = -1;
+    c->worker_id = wid;
+    c->strategy = strategy;
+    c->owner_pid = getpid();
+    c->watch = 1;
+    snprintf(c->prefix, sizeof(c->prefix), "%s-w%d", prefix, wid);
+
+    task_cap = next_pow2(task_cap < 4096 ? 4096 : task_cap);
+    res_cap = (uint32_t)next_pow2(res_cap < 8 ? 8 : res_cap);
+    uint32_t free_cap = 4096;
+    c->ctl_size = fl_ctl_layout(task_cap, res_cap, free_cap);
+    if (strategy == FL_STRATEGY_FS) {
+        snprintf(c->ctl_name, sizeof(c->ctl_name), "/%s-ctl", c->prefix);
+        code = fl_seg_create(c->ctl_name, c->ctl_size, 0, &c->ctl_fd, &err);
+    }
+    else {
+        code = fl_seg_create(NULL, c->ctl_size, 0, &c->ctl_fd, &err);
+    }
+    if (code != FL_OK)
+        goto fail;
+    void *addr;
+    code = fl_seg_map(c->ctl_fd, c->ctl_size, &addr, &err);
+    if (code != FL_OK)
+        goto fail;
+    c->ctl = addr;
+    fl_ctl_init(c->ctl, (uint32_t)wid, task_cap, res_cap, free_cap);
+    if (strategy == FL_STRATEGY_FS)
+        close_fd(&c->ctl_fd);   /* the worker opens it by name */
+
+    what = "creating eventfds";
+    c->efd_main = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    c->efd_worker = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (c->efd_main < 0 || c->efd_worker < 0) {
+        err = errno;
+        code = FL_ERRNO;
+        goto fail;
+    }
+    if (strategy == FL_STRATEGY_FD) {
+        int sv[2];
+        what = "creating the fd-passing socket";
+        if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) < 0) {
+            err = errno;
+            code = FL_ERRNO;
+            goto fail;
+        }
+        c->sock_main = sv[0];
+        c->sock_worker = sv[1];
+    }
+    return (PyObject *)c;
+fail:
+    fl_raise(code, err, what);
+    Py_DECREF(c);
+    return NULL;
+}
+
+static void
+unlink_named(MainChannelObject *c)
+{
+    if (c->strategy != FL_STRATEGY_FS)
+        return;
+    if (c->ctl_name[0]) {
+        shm_unlink(c->ctl_name);
+        c->ctl_name[0] = '\0';
+    }
+    if (c->ctl != NULL) {
+        char name[FL_NAME_MAX];
+        uint64_t lo = atomic_load(&c->ctl->unlinked_upto);
+        uint64_t hi = atomic_load(&c->ctl->next_seg_id);
+        for (uint64_t id = lo; id < hi && hi - id < (1u << 20); id++) {
+            fl_seg_name(name, c->prefix, id);
+            shm_unlink(name);
+        }
+        atomic_store(&c->ctl->unlinked_upto, hi);
+    }
+}
+
+/* Close every fd and remove named segments; the control block stays mapped until
+ * the last batch that points at it is gone. */
+static void
+mainchan_close_impl(MainChannelObject *c)
+{
+    if (c->owner_pid != getpid())
+        return;
+    unlink_named(c);
+    c->closed = 1;
+    close_fd(&c->ctl_fd);
+    close_fd(&c->efd_main);
+    close_fd(&c->efd_worker);
+    close_fd(&c->sock_main);
+    close_fd(&c->sock_worker);
+    close_fd(&c->pidfd);
+    Py_CLEAR(c->arena);
+}
+
+static void
+mainchan_dealloc(MainChannelObject *c)
+{
+    PyTypeObject *tp = Py_TYPE(c);
+    PyObject_GC_UnTrack(c);
+    mainchan_close_impl(c);
+    if (c->ctl != NULL && c->owner_pid == getpid())
+        munmap(c->ctl, c->ctl_size);
+    c->ctl = NULL;
+    tp->tp_free(c);
+    Py_DECREF(tp);
+}
+
+static int
+mainchan_traverse(MainChannelObject *c, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(c));
+    Py_VISIT(c->arena);
+    return 0;
+}
+
+static PyObject *
+mainchan_close(MainChannelObject *c, PyObject *Py_UNUSED(ignored))
+{
+    mainchan_close_impl(c);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+mainchan_handle(MainChannelObject *c, PyObject *Py_UNUSED(ignored))
+{
+    if (c->closed)
+        return PyErr_Format(PyExc_ValueError, "fastloader: channel is closed");
+    return Py_BuildValue("{s:i,s:i,s:i,s:n,s:s,s:s,s:i,s:i,s:i,s:i}", "worker_id",
+                         c->worker_id, "strategy", c->strategy, "ctl_fd", c->ctl_fd,
+                         "ctl_size", (Py_ssize_t)c->ctl_size, "ctl_name", c->ctl_name,
+                         "prefix", c->prefix, "efd_main", c->efd_main, "efd_worker",
+                         c->efd_worker, "sock", c->sock_worker, "main_pid",
+                         (int)c->owner_pid);
+}
+
+PyDoc_STRVAR(mainchan_started_doc,
+"started(pid)\n--\n\n"
+"Record the worker's pid, open a pidfd on it and close the fds only the child needed.");
+
+static PyObject *
+mainchan_started(MainChannelObject *c, PyObject *arg)
+{
+    long pid = PyLong_AsLong(arg);
+    int err = 0;
+    if (pid == -1 && PyErr_Occurred())
+        return NULL;
+    c->pid = (pid_t)pid;
+    close_fd(&c->pidfd);
+    c->pidfd = fl_pidfd_open(c->pid, &err);  /* -1: fall back to polling the pid */
+    close_fd(&c->ctl_fd);
+    close_fd(&c->sock_worker);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+mainchan_main_fds(MainChannelObject *c, PyObject *Py_UNUSED(ignored))
+{
+    return Py_BuildValue("(iiii)", c->sock_main, c->pidfd, c->efd_main, c->efd_worker);
+}
+
+static int
+wake_worker(MainChannelObject *c)
+{
+    fl_wake(&c->ctl->worker_waiting, c->efd_worker);
+    return 0;
+}
+
+PyDoc_STRVAR(mainchan_put_index_doc,
+"put_index(seq, index) -> bool\n--\n\n"
+"Queue a fetch task. Lists of ints, ints and lists of None travel as raw int64s;\n"
+"returns False for any other index (the caller pickles it and uses put_task).");
+
+static PyObject *
+mainchan_put_index(MainChannelObject *c, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2)
+        return PyErr_Format(PyExc_TypeError, "put_index(seq, index)");
+    long long seq = PyLong_AsLongLong(args[0]);
+    PyObject *idx = args[1];
+    uint8_t *p;
+    if (seq == -1 && PyErr_Occurred())
+        return NULL;
+    if (c->closed)
+        return PyErr_Format(PyExc_ValueError, "fastloader: channel is closed");
+    if (PyLong_CheckExact(idx)) {
+        int ovf;
+        long long v = PyLong_AsLongLongAndOverflow(idx, &ovf);
+        if (ovf || (v == -1 && PyErr_Occurred())) {
+            PyErr_Clear();
+            Py_RETURN_FALSE;
+        }
+        if (fl_task_reserve(c->ctl, 8, &p) != FL_OK)
+            return fl_raise(FL_FULL, 0, "sending a task");
+        memcpy(p, &v, 8);
+        fl_task_commit(c->ctl, FL_TASK_INDEX, seq, 8);
+        wake_worker(c);
+        Py_RETURN_TRUE;
+    }
+    if (!PyList_CheckExact(idx))
+        Py_RETURN_FALSE;
+    Py_ssize_t n = PyList_GET_SIZE(idx);
+    int all_none = n > 0, all_int = 1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = PyList_GET_ITEM(idx, i);
+        all_none &= v == Py_None;
+        all_int &= PyLong_CheckExact(v);
+    }
+    if (all_none) {
+        int64_t cnt = n;
+        if (fl_task_reserve(c->ctl, 8, &p) != FL_OK)
+            return fl_raise(FL_FULL, 0, "sending a task");
+        memcpy(p, &cnt, 8);
+        fl_task_commit(c->ctl, FL_TASK_NONES, seq, 8);
+        wake_worker(c);
+        Py_RETURN_TRUE;
+    }
+    if (!all_int)
+        Py_RETURN_FALSE;
+    if (fl_task_reserve(c->ctl, (uint64_t)n * 8, &p) != FL_OK)
+        Py_RETURN_FALSE;   /* too large for the ring: the pickle path reports it */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int ovf;
+        long long v = PyLong_AsLongLongAndOverflow(PyList_GET_ITEM(idx, i), &ovf);
+        if (ovf || (v == -1 && PyErr_Occurred())) {
+            PyErr_Clear();
+            Py_RETURN_FALSE;   /* reservation is simply not committed */
+        }
+        memcpy(p + 8 * i, &v, 8);
+    }
+    fl_task_commit(c->ctl, FL_TASK_INDICES, seq, (uint64_t)n * 8);
+    wake_worker(c);
+    Py_RETURN_TRUE;
+}
+
+PyDoc_STRVAR(mainchan_put_task_doc,
+"put_task(kind, seq, payload=b'')\n--\n\n"
+"Queue a control or pickled task (payload: bytes-like).");
+
+static PyObject *
+mainchan_put_task(MainChannelObject *c, PyObject *args)
+{
+    unsigned int kind;
+    long long seq;
+    Py_buffer buf = {0};
+    uint8_t *p;
+    if (!PyArg_ParseTuple(args, "IL|y*", &kind, &seq, &buf))
+        return NULL;
+    if (c->closed) {
+        PyBuffer_Release(&buf);
+        return PyErr_Format(PyExc_ValueError, "fastloader: channel is closed");
+    }
+    int code = fl_task_reserve(c->ctl, (uint64_t)buf.len, &p);
+    if (code != FL_OK) {
+        PyBuffer_Release(&buf);
+        return PyErr_Format(PyExc_ValueError,
+                            "fastloader: a task of %zd bytes does not fit the task ring "
+                            "(%llu bytes); use a smaller batch of indices",
+                            buf.len, (unsigned long long)c->ctl->task_cap);
+    }
+    if (buf.len)
+        memcpy(p, buf.buf, (size_t)buf.len);
+    fl_task_commit(c->ctl, kind, seq, (uint64_t)buf.len);
+    PyBuffer_Release(&buf);
+    wake_worker(c);
+    Py_RETURN_NONE;
+}
+
+/* ---- receiving ---- */
+
+static int
+map_segment(MainChannelObject *c, uint64_t seg_id, uint64_t size, void **addr, int *err)
+{
+    int fd = -1, code;
+    if (c->strategy == FL_STRATEGY_FD) {
+        fl_fdmsg m;
+        code = fl_recv_fd(c->sock_main, &fd, &m, sizeof(m), err);
+        if (code != FL_OK)
+            return code;
+        if (m.seg_id != seg_id || m.size != size) {
+            close(fd);
+            return FL_CORRUPT;
+        }
+    }
+    else {
+        char name[FL_NAME_MAX];
+        fl_seg_name(name, c->prefix, seg_id);
+        code = fl_seg_open(name, &fd, err);
+        if (code != FL_OK)
+            return code;
+        shm_unlink(name);   /* both sides have it now: the name is no longer needed */
+        uint64_t upto = atomic_load(&c->ctl->unlinked_upto);
+        if (seg_id + 1 > upto)
+            atomic_store(&c->ctl->unlinked_upto, seg_id + 1);
+    }
+    struct stat sb;
+    if (fstat(fd, &sb) < 0 || (uint64_t)sb.st_size < size) {
+        close(fd);
+        return FL_CORRUPT;
+    }
+    code = fl_seg_map(fd, size, addr, err);
+    close(fd);   /* the mapping keeps the memory; holding fds would exhaust ulimit -n */
+    return code;
+}
+
+/* Turn one result descriptor into (worker_id, seq, kind, payload). */
+static PyObject *
+take_result(fl_state *st, MainChannelObject *c, const fl_result *r)
+{
+    int err = 0, code;
+    PyObject *payload = NULL, *owner_obj = NULL;
+    if (r->where == FL_WHERE_NONE) {
+        payload = Py_NewRef(Py_None);
+    }
+    else if (r->where == FL_WHERE_SLOT) {
+        if (c->arena == NULL || r->gen != c->arena_gen) {
+            void *addr;
+            uint64_t size = r->slot_size * r->nslots;
+            if (r->nslots == 0 || size / r->nslots != r->slot_size)
+                return fl_raise(FL_CORRUPT, 0, "receiving a ring arena");
+            code = map_segment(c, r->seg, size, &addr, &err);
+            if (code != FL_OK)
+                return fl_raise(code, err, "mapping a worker's ring arena");
+            SegmentObject *seg = fl_segment_new(st, addr, size);
+            if (seg == NULL)
+                return NULL;
+            Py_XSETREF(c->arena, seg);
+            c->arena_gen = r->gen;
+            c->arena_slot_size = r->slot_size;
+            c->arena_nslots = r->nslots;
+            c->n_arenas++;
+        }
+        if (r->slot >= c->arena_nslots || r->nbytes > c->arena_slot_size)
+            return fl_raise(FL_CORRUPT, 0, "receiving a batch");
+        OwnerObject *o = PyObject_GC_New(OwnerObject, st->OwnerType);
+        if (o == NULL)
+            return NULL;
+        o->seg = (SegmentObject *)Py_NewRef(c->arena);
+        o->chan = (MainChannelObject *)Py_NewRef(c);
+        o->gen = r->gen;
+        o->slot = r->slot;
+        o->pid = getpid();
+        PyObject_GC_Track(o);
+        owner_obj = (PyObject *)o;
+        payload = fl_decode(st, (uint8_t *)c->arena->addr + r->slot * c->arena_slot_size,
+                            r->nbytes, owner_obj);
+        c->n_slot++;
+    }
+    else if (r->where == FL_WHERE_OVERFLOW) {
+        void *addr;
+        uint64_t size = FL_ALIGN_UP(r->nbytes, 4096);
+        code = map_segment(c, r->seg, size, &addr, &err);
+        if (code != FL_OK)
+            return fl_raise(code, err, "mapping an overflow segment");
+        SegmentObject *seg = fl_segment_new(st, addr, size);
+        if (seg == NULL)
+            return NULL;
+        OwnerObject *o = PyObject_GC_New(OwnerObject, st->OwnerType);
+        if (o == NULL) {
+            Py_DECREF(seg);
+            return NULL;
+        }
+        o->seg = seg;
+        o->chan = NULL;
+        o->gen = 0;
+        o->slot = UINT32_MAX;
+        o->pid = getpid();
+        PyObject_GC_Track(o);
+        owner_obj = (PyObject *)o;
+        payload = fl_decode(st, addr, r->nbytes, owner_obj);
+        c->n_overflow++;
+    }
+    else {
+        return fl_raise(FL_CORRUPT, 0, "receiving a result");
+    }
+    /* views hold the owner now; if none was made the slot is released right here */
+    Py_XDECREF(owner_obj);
+    if (payload == NULL)
+        return NULL;
+    if (r->kind == FL_RES_BATCH)
+        c->n_batches++;
+    return Py_BuildValue("(iLIN)", c->worker_id, (long long)r->seq, (unsigned)r->kind,
+                         payload);
+}
+
+static double
+now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* Sleep at most this long without the GIL, so Ctrl-C delivered to another thread
+ * still reaches us promptly. */
+#define FL_SLICE_MS 100
+
+PyObject *
+fl_recv(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    fl_state *st = fl_module_state(module);
+    if (nargs != 3 || !PyTuple_Check(args[0]))
+        return PyErr_Format(PyExc_TypeError, "recv(channels: tuple, prefer: int, timeout)");
+    PyObject *chans = args[0];
+    Py_ssize_t n = PyTuple_GET_SIZE(chans);
+    Py_ssize_t prefer = PyLong_AsSsize_t(args[1]);
+    double timeout = args[2] == Py_None ? -1.0 : PyFloat_AsDouble(args[2]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (n == 0)
+        return PyErr_Format(PyExc_ValueError, "recv: no channels");
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *o = PyTuple_GET_ITEM(chans, i);
+        if (Py_TYPE(o) != st->MainChannelType)
+            return PyErr_Format(PyExc_TypeError, "recv: expected MainChannel objects");
+        if (((MainChannelObject *)o)->closed)
+            return PyErr_Format(PyExc_ValueError, "fastloader: channel is closed");
+    }
+    if (prefer < 0 || prefer >= n)
+        prefer = 0;
+    double deadline = timeout >= 0 ? now_s() + timeout : 0;
+    struct pollfd *pfds = NULL;
+    PyObject *result = NULL;
+    for (;;) {
+        /* fast path: a published result needs no system call at all */
+        for (Py_ssize_t k = 0; k < n; k++) {
+            MainChannelObject *c = (MainChannelObject *)PyTuple_GET_ITEM(chans, (prefer + k) % n);
+            fl_result r;
+            int got = fl_res_pop(c->ctl, &r);
+            if (got < 0) {
+                fl_raise(FL_CORRUPT, 0, "reading the result ring");
+                goto done;
+            }
+            if (got) {
+                result = take_result(st, c, &r);
+                goto done;
+            }
+        }
+        /* announce that we sleep, then look once more (see fl_wake) */
+        int any = 0;
+        for (Py_ssize_t k = 0; k < n; k++) {
+            MainChannelObject *c = (MainChannelObject *)PyTuple_GET_ITEM(chans, k);
+            atomic_store(&c->ctl->main_waiting, 1);
+        }
+        for (Py_ssize_t k = 0; k < n && !any; k++)
+            any = !fl_res_empty(((MainChannelObject *)PyTuple_GET_ITEM(chans, k))->ctl);
+        int slice = FL_SLICE_MS;
+        if (timeout >= 0) {
+            double left = deadline - now_s();
+            if (left <= 0 && !any) {
+                result = Py_NewRef(Py_None);
+                goto clear_waiting;
+            }
+            if (left * 1000 < slice)
+                slice = left > 0 ? (int)(left * 1000) + 1 : 0;
+        }
+        if (!any) {
+            if (pfds == NULL) {
+                pfds = PyMem_Calloc((size_t)(2 * n), sizeof(struct pollfd));
+                if (pfds == NULL) {
+                    PyErr_NoMemory();
+                    goto clear_waiting;
+                }
+            }
+            for (Py_ssize_t k = 0; k < n; k++) {
+                MainChannelObject *c = (MainChannelObject *)PyTuple_GET_ITEM(chans, k);
+                pfds[2 * k] = (struct pollfd){.fd = c->efd_main, .events = POLLIN};
+                pfds[2 * k + 1] =
+                    (struct pollfd){.fd = c->watch ? c->pidfd : -1, .events = POLLIN};
+            }
+            int rc, saved = 0;
+            Py_BEGIN_ALLOW_THREADS
+            rc = poll(pfds, (nfds_t)(2 * n), slice);
+            saved = errno;
+            Py_END_ALLOW_THREADS
+            if (rc < 0 && saved != EINTR) {
+                fl_raise(FL_ERRNO, saved, "waiting for workers");
+                goto clear_waiting;
+            }
+            for (Py_ssize_t k = 0; k < n; k++) {
+                MainChannelObject *c = (MainChannelObject *)PyTuple_GET_ITEM(chans, k);
+                if (rc > 0 && (pfds[2 * k].revents & POLLIN))
+                    fl_drain_efd(c->efd_main);
+                int dead = c->watch && ((rc > 0 && pfds[2 * k + 1].revents) ||
+                                        (c->pidfd < 0 && c->pid > 0 &&
+                                         fl_proc_dead(c->pid, c->pidfd)));
+                /* a worker may publish and then die: deliver what it published first */
+                if (dead && fl_res_empty(c->ctl)) {
+                    result = Py_BuildValue("(iLIO)", c->worker_id, -1LL, 0u, Py_None);
+                    goto clear_waiting;
+                }
+            }
+            if (PyErr_CheckSignals() < 0)
+                goto clear_waiting;
+        }
+        for (Py_ssize_t k = 0; k < n; k++)
+            atomic_store(&((MainChannelObject *)PyTuple_GET_ITEM(chans, k))->ctl->main_waiting, 0);
+    }
+clear_waiting:
+    for (Py_ssize_t k = 0; k < n; k++)
+        atomic_store(&((MainChannelObject *)PyTuple_GET_ITEM(chans, k))->ctl->main_waiting, 0);
+done:
+    PyMem_Free(pfds);
+    return result;
+}
+
+PyObject *
+fl_decode_bytes(PyObject *module, PyObject *arg)
+{
+    /* For tests and fuzzing: decode an encoded batch held in any bytes-like object
+     * (the views keep a copy of the bytes alive). */
+    fl_state *st = fl_module_state(module);
+    PyObject *copy = PyByteArray_FromObject(arg);
+    if (copy == NULL)
+        return NULL;
+    size_t n = (size_t)PyByteArray_GET_SIZE(copy);
+    void *addr = mmap(NULL, n ? n : 1, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                      -1, 0);
+    if (addr == MAP_FAILED) {
+        Py_DECREF(copy);
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    memcpy(addr, PyByteArray_AS_STRING(copy), n);
+    Py_DECREF(copy);
+    SegmentObject *seg = fl_segment_new(st, addr, n ? n : 1);
+    if (seg == NULL)
+        return NULL;
+    OwnerObject *o = PyObject_GC_New(OwnerObject, st->OwnerType);
+    if (o == NULL) {
+        Py_DECREF(seg);
+        return NULL;
+    }
+    o->seg = seg;
+    o->chan = NULL;
+    o->gen = 0;
+    o->slot = UINT32_MAX;
+    o->pid = getpid();
+    PyObject_GC_Track(o);
+    PyObject *r = fl_decode(st, addr, n, (PyObject *)o);
+    Py_DECREF(o);
+    return r;
+}
+
+static PyObject *
+mainchan_stats(MainChannelObject *c, PyObject *Py_UNUSED(ignored))
+{
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:I,s:K}", "batches",
+                         (unsigned long long)c->n_batches, "slot_batches",
+                         (unsigned long long)c->n_slot, "overflow_batches",
+                         (unsigned long long)c->n_overflow, "arenas",
+                         (unsigned long long)c->n_arenas, "slots", c->arena_nslots,
+                         "slot_size", (unsigned long long)c->arena_slot_size);
+}
+
+static PyObject *
+mainchan_arena(MainChannelObject *c, PyObject *Py_UNUSED(ignored))
+{
+    if (c->arena == NULL)
+        Py_RETURN_NONE;
+    return Py_BuildValue("(Kn)", (unsigned long long)(uintptr_t)c->arena->addr,
+                         (Py_ssize_t)c->arena->size);
+}
+
+static PyObject *
+mainchan_get_watch(MainChannelObject *c, void *Py_UNUSED(closure))
+{
+    return PyBool_FromLong(c->watch);
+}
+
+static int
+mainchan_set_watch(MainChannelObject *c, PyObject *v, void *Py_UNUSED(closure))
+{
+    int b = v ? PyObject_IsTrue(v) : 0;
+    if (b < 0)
+        return -1;
+    c->watch = b;
+    return 0;
+}
+
+static PyObject *
+mainchan_get_pid(MainChannelObject *c, void *Py_UNUSED(closure))
+{
+    return PyLong_FromLong((long)c->pid);
+}
+
+static PyObject *
+mainchan_get_closed(MainChannelObject *c, void *Py_UNUSED(closure))
+{
+    return PyBool_FromLong(c->closed);
+}
+
+static PyObject *
+mainchan_pending(MainChannelObject *c, PyObject *Py_UNUSED(ignored))
+{
+    return PyBool_FromLong(c->ctl != NULL && !fl_res_empty(c->ctl));
+}
+
+static PyGetSetDef mainchan_getset[] = {
+    {"watch", (getter)mainchan_get_watch, (setter)mainchan_set_watch,
+     PyDoc_STR("Whether this worker's exit counts as a failure."), NULL},
+    {"pid", (getter)mainchan_get_pid, NULL, PyDoc_STR("The worker's pid (0 before start)."), NULL},
+    {"closed", (getter)mainchan_get_closed, NULL, PyDoc_STR("True after close()."), NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMethodDef mainchan_methods[] = {
+    {"handle", (PyCFunction)mainchan_handle, METH_NOARGS,
+     PyDoc_STR("handle() -> dict of what the worker needs to attach")},
+    {"started", (PyCFunction)mainchan_started, METH_O, mainchan_started_doc},
+    {"main_fds", (PyCFunction)mainchan_main_fds, METH_NOARGS,
+     PyDoc_STR("main_fds() -> fds a forked sibling worker must close")},
+    {"put_index", (PyCFunction)(void (*)(void))mainchan_put_index, METH_FASTCALL,
+     mainchan_put_index_doc},
+    {"put_task", (PyCFunction)mainchan_put_task, METH_VARARGS, mainchan_put_task_doc},
+    {"stats", (PyCFunction)mainchan_stats, METH_NOARGS, PyDoc_STR("stats() -> dict")},
+    {"arena", (PyCFunction)mainchan_arena, METH_NOARGS,
+     PyDoc_STR("arena() -> (address, nbytes) of the current ring arena, or None")},
+    {"pending", (PyCFunction)mainchan_pending, METH_NOARGS,
+     PyDoc_STR("pending() -> True if results wait in the ring")},
+    {"close", (PyCFunction)mainchan_close, METH_NOARGS,
+     PyDoc_STR("close(): close fds and remove named segments")},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot mainchan_slots[] = {
+    {Py_tp_new, mainchan_new},
+    {Py_tp_dealloc, mainchan_dealloc},
+    {Py_tp_traverse, mainchan_traverse},
+    {Py_tp_methods, mainchan_methods},
+    {Py_tp_getset, mainchan_getset},
+    {Py_tp_doc, (void *)PyDoc_STR(
+         "MainChannel(worker_id, strategy, prefix, task_capacity, result_capacity)\n--\n\n"
+         "The main process's end of one worker's shared-memory rings.")},
+    {0, NULL},
+};
+
+PyType_Spec fl_main_channel_spec = {
+    .name = "fastloader._core.MainChannel",
+    .basicsize = sizeof(MainChannelObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .slots = mainchan_slots,
+};

@@ -1,0 +1,467 @@
+/* WorkerChannel: a worker's end. It waits for tasks (GIL released, woken by the
+ * main process or its death), and publishes batches: encoded straight into a free
+ * slot of the worker's ring arena, or into an overflow segment when the batch is
+ * larger than a slot or the consumer still holds every slot. It never blocks on
+ * the consumer. The arena is created on the first batch, sized from it, and
+ * replaced by a larger one when batches outgrow it. */
+#define _GNU_SOURCE
+#define NO_IMPORT_ARRAY
+#define PY_ARRAY_UNIQUE_SYMBOL fastloader_ARRAY_API
+#include "objects.h"
+#include "codec.h"
+#include "pool.h"
+#include "shm.h"
+#include <errno.h>
+#include <poll.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+typedef struct {
+    uint64_t seg_id;
+    uint64_t size;
+} fl_fdmsg;
+
+/* Arenas above this size are not made: such batches always overflow. */
+#define FL_ARENA_MAX ((size_t)2 << 30)
+#define FL_SLOT_GRAIN ((size_t)64 << 10)
+
+static PyObject *
+workerchan_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"handle", "ctl_fd", "efd_main", "efd_worker", "sock",
+                             "nslots", NULL};
+    PyObject *h;
+    int ctl_fd, efd_main, efd_worker, sock;
+    unsigned int nslots;
+    int err = 0, code;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!iiiiI", kwlist, &PyDict_Type, &h,
+                                     &ctl_fd, &efd_main, &efd_worker, &sock, &nslots))
+        return NULL;
+    PyObject *o_wid = PyDict_GetItemString(h, "worker_id");
+    PyObject *o_strat = PyDict_GetItemString(h, "strategy");
+    PyObject *o_size = PyDict_GetItemString(h, "ctl_size");
+    PyObject *o_name = PyDict_GetItemString(h, "ctl_name");
+    PyObject *o_prefix = PyDict_GetItemString(h, "prefix");
+    PyObject *o_pid = PyDict_GetItemString(h, "main_pid");
+    if (!o_wid || !o_strat || !o_size || !o_name || !o_prefix || !o_pid)
+        return PyErr_Format(PyExc_ValueError, "fastloader: incomplete channel handle");
+    WorkerChannelObject *w = (WorkerChannelObject *)type->tp_alloc(type, 0);
+    if (w == NULL)
+        return NULL;
+    w->efd_main = efd_main;
+    w->efd_worker = efd_worker;
+    w->sock = sock;
+    w->main_pidfd = -1;
+    w->worker_id = (int)PyLong_AsLong(o_wid);
+    w->strategy = (int)PyLong_AsLong(o_strat);
+    w->ctl_size = (size_t)PyLong_AsSsize_t(o_size);
+    w->main_pid = (pid_t)PyLong_AsLong(o_pid);
+    w->nslots_target = nslots < 2 ? 2 : (nslots > 64 ? 64 : nslots);
+    const char *prefix = PyUnicode_AsUTF8(o_prefix);
+    const char *ctl_name = PyUnicode_AsUTF8(o_name);
+    if (PyErr_Occurred() || prefix == NULL || ctl_name == NULL)
+        goto fail_py;
+    snprintf(w->prefix, sizeof(w->prefix), "%s", prefix);
+    if (w->strategy == FL_STRATEGY_FS) {
+        code = fl_seg_open(ctl_name, &ctl_fd, &err);
+        if (code != FL_OK) {
+            fl_raise(code, err, "opening the control block");
+            goto fail_py;
+        }
+    }
+    void *addr;
+    code = fl_seg_map(ctl_fd, w->ctl_size, &addr, &err);
+    close(ctl_fd);
+    if (code != FL_OK) {
+        fl_raise(code, err, "mapping the control block");
+        goto fail_py;
+    }
+    w->ctl = addr;
+    if (w->strategy == FL_STRATEGY_FS)
+        shm_unlink(ctl_name);   /* both sides have mapped it */
+    if (fl_ctl_check(w->ctl, w->ctl_size) != FL_OK) {
+        fl_raise(FL_CORRUPT, 0, "attaching to the control block");
+        goto fail_py;
+    }
+    code = fl_worker_arm(w->ctl, w->strategy == FL_STRATEGY_FS ? w->prefix : NULL,
+                         w->main_pid, &err);
+    if (code != FL_OK) {
+        fl_raise(code, err, "arming the parent-death watch");
+        goto fail_py;
+    }
+    w->main_pidfd = fl_pidfd_open(w->main_pid, &err);
+    return (PyObject *)w;
+fail_py:
+    Py_DECREF(w);
+    return NULL;
+}
+
+static void
+workerchan_dealloc(WorkerChannelObject *w)
+{
+    PyTypeObject *tp = Py_TYPE(w);
+    if (w->arena)
+        munmap(w->arena, w->arena_size);
+    PyMem_RawFree(w->busy);
+    if (w->ctl)
+        munmap(w->ctl, w->ctl_size);
+    if (w->main_pidfd >= 0)
+        close(w->main_pidfd);
+    tp->tp_free(w);
+    Py_DECREF(tp);
+}
+
+static int
+main_gone(WorkerChannelObject *w)
+{
+    return fl_proc_dead(w->main_pid, w->main_pidfd);
+}
+
+static void
+drain_frees(WorkerChannelObject *w)
+{
+    uint64_t v;
+    while (fl_free_pop(w->ctl, &v) > 0) {
+        uint32_t gen = (uint32_t)(v >> 32), slot = (uint32_t)v;
+        if (gen == w->gen && w->busy != NULL && slot < w->nslots)
+            w->busy[slot] = 0;
+    }
+}
+
+static PyObject *
+task_to_python(const fl_task_hdr *h, const uint8_t *p)
+{
+    int64_t v;
+    switch (h->kind) {
+    case FL_TASK_INDEX:
+        if (h->payload_len != 8)
+            break;
+        memcpy(&v, p, 8);
+        return PyLong_FromLongLong(v);
+    case FL_TASK_NONES: {
+        if (h->payload_len != 8)
+            break;
+        memcpy(&v, p, 8);
+        if (v < 0 || v > (1 << 30))
+            break;
+        PyObject *l = PyList_New((Py_ssize_t)v);
+        if (l == NULL)
+            return NULL;
+        for (int64_t i = 0; i < v; i++)
+            PyList_SET_ITEM(l, i, Py_NewRef(Py_None));
+        return l;
+    }
+    case FL_TASK_INDICES: {
+        if (h->payload_len % 8)
+            break;
+        Py_ssize_t n = (Py_ssize_t)(h->payload_len / 8);
+        PyObject *l = PyList_New(n);
+        if (l == NULL)
+            return NULL;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            memcpy(&v, p + 8 * i, 8);
+            PyObject *x = PyLong_FromLongLong(v);
+            if (x == NULL) {
+                Py_DECREF(l);
+                return NULL;
+            }
+            PyList_SET_ITEM(l, i, x);
+        }
+        return l;
+    }
+    case FL_TASK_PICKLE:
+        return PyBytes_FromStringAndSize((const char *)p, (Py_ssize_t)h->payload_len);
+    case FL_TASK_RESUME:
+    case FL_TASK_SHUTDOWN:
+        return PyBytes_FromStringAndSize((const char *)p, (Py_ssize_t)h->payload_len);
+    default:
+        break;
+    }
+    return fl_raise(FL_CORRUPT, 0, "reading a task");
+}
+
+PyDoc_STRVAR(workerchan_get_task_doc,
+"get_task() -> (kind, seq, index) or None\n--\n\n"
+"Wait for the next task (GIL released). None: the main process is gone.");
+
+static PyObject *
+workerchan_get_task(WorkerChannelObject *w, PyObject *Py_UNUSED(ignored))
+{
+    for (;;) {
+        fl_task_hdr h;
+        const uint8_t *p;
+        int got = fl_task_peek(w->ctl, &h, &p);
+        if (got < 0)
+            return fl_raise(FL_CORRUPT, 0, "reading the task ring");
+        if (got) {
+            PyObject *idx = task_to_python(&h, p);
+            fl_task_pop(w->ctl, &h);
+            if (idx == NULL)
+                return NULL;
+            return Py_BuildValue("(ILN)", (unsigned)h.kind, (long long)h.seq, idx);
+        }
+        drain_frees(w);
+        atomic_store(&w->ctl->worker_waiting, 1);
+        got = fl_task_peek(w->ctl, &h, &p);
+        if (got != 0) {
+            atomic_store(&w->ctl->worker_waiting, 0);
+            continue;
+        }
+        struct pollfd pf[2] = {{.fd = w->efd_worker, .events = POLLIN},
+                               {.fd = w->main_pidfd, .events = POLLIN}};
+        int rc, saved;
+        Py_BEGIN_ALLOW_THREADS
+        rc = poll(pf, 2, 200);
+        saved = errno;
+        Py_END_ALLOW_THREADS
+        atomic_store(&w->ctl->worker_waiting, 0);
+        if (rc < 0 && saved != EINTR)
+            return fl_raise(FL_ERRNO, saved, "waiting for a task");
+        if (rc > 0 && (pf[0].revents & POLLIN))
+            fl_drain_efd(w->efd_worker);
+        if ((rc > 0 && pf[1].revents) || (w->main_pidfd < 0 && main_gone(w)))
+            Py_RETURN_NONE;
+        if (PyErr_CheckSignals() < 0)
+            return NULL;
+    }
+}
+
+/* Make (or replace) the arena so that a batch of `need` bytes fits a slot. */
+static int
+new_arena(WorkerChannelObject *w, size_t need, int *err)
+{
+    size_t slot = FL_ALIGN_UP(need + need / 4 + 4096, FL_SLOT_GRAIN);
+    uint32_t nslots = w->nslots_target;
+    if (slot > FL_ARENA_MAX / 2)
+        return FL_FULL;
+    while ((size_t)nslots * slot > FL_ARENA_MAX && nslots > 2)
+        nslots--;
+    size_t size = slot * nslots;
+    uint64_t id = atomic_fetch_add(&w->ctl->next_seg_id, 1);
+    char name[FL_NAME_MAX];
+    int fd = -1, code;
+    if (w->strategy == FL_STRATEGY_FS)
+        fl_seg_name(name, w->prefix, id);
+    code = fl_seg_create(w->strategy == FL_STRATEGY_FS ? name : NULL, size, 1, &fd, err);
+    if (code != FL_OK)
+        return code;
+    void *addr;
+    code = fl_seg_map(fd, size, &addr, err);
+    if (code == FL_OK && w->strategy == FL_STRATEGY_FD) {
+        fl_fdmsg m = {id, size};
+        code = fl_send_fd(w->sock, fd, &m, sizeof(m), err);
+        if (code != FL_OK)
+            munmap(addr, size);
+    }
+    close(fd);
+    if (code != FL_OK) {
+        if (w->strategy == FL_STRATEGY_FS)
+            shm_unlink(name);
+        return code;
+    }
+    uint8_t *busy = PyMem_RawCalloc(nslots, 1);
+    if (busy == NULL) {
+        munmap(addr, size);
+        return FL_NOMEM;
+    }
+    if (w->arena)
+        munmap(w->arena, w->arena_size);   /* the main process keeps its own mapping */
+    PyMem_RawFree(w->busy);
+    w->busy = busy;
+    w->arena = addr;
+    w->arena_size = size;
+    w->slot_size = slot;
+    w->nslots = nslots;
+    w->arena_seg = id;
+    w->gen++;
+    w->n_arenas++;
+    return FL_OK;
+}
+
+static int
+make_overflow(WorkerChannelObject *w, size_t need, uint8_t **addr, size_t *size, uint64_t *id,
+              int *fd, int *err)
+{
+    char name[FL_NAME_MAX];
+    *size = FL_ALIGN_UP(need, 4096);
+    *id = atomic_fetch_add(&w->ctl->next_seg_id, 1);
+    if (w->strategy == FL_STRATEGY_FS)
+        fl_seg_name(name, w->prefix, *id);
+    int code = fl_seg_create(w->strategy == FL_STRATEGY_FS ? name : NULL, *size, 1, fd, err);
+    if (code != FL_OK)
+        return code;
+    void *p;
+    code = fl_seg_map(*fd, *size, &p, err);
+    if (code != FL_OK) {
+        close(*fd);
+        if (w->strategy == FL_STRATEGY_FS)
+            shm_unlink(name);
+        return code;
+    }
+    *addr = p;
+    return FL_OK;
+}
+
+static int
+push_result(WorkerChannelObject *w, const fl_result *r)
+{
+    int code = fl_res_push(w->ctl, r);
+    if (code != FL_OK)
+        return code;
+    fl_wake(&w->ctl->main_waiting, w->efd_main);
+    return FL_OK;
+}
+
+PyDoc_STRVAR(workerchan_publish_doc,
+"publish(kind, seq, obj=None)\n--\n\n"
+"Encode obj into a ring slot (or an overflow segment) and hand it to the main\n"
+"process. With obj None and kind not a batch, sends a bare notification.");
+
+static PyObject *
+workerchan_publish(WorkerChannelObject *w, PyObject *args)
+{
+    unsigned int kind;
+    long long seq;
+    PyObject *obj = NULL;
+    if (!PyArg_ParseTuple(args, "IL|O", &kind, &seq, &obj))
+        return NULL;
+    fl_state *st = fl_get_state_from_type(Py_TYPE(w));
+    fl_result r;
+    memset(&r, 0, sizeof(r));
+    r.seq = seq;
+    r.kind = kind;
+    if (obj == NULL) {
+        r.where = FL_WHERE_NONE;
+        int code = push_result(w, &r);
+        if (code != FL_OK)
+            return fl_raise(code, 0, "publishing a result");
+        Py_RETURN_NONE;
+    }
+    fl_plan *plan = fl_plan_new();
+    int err = 0, code = FL_OK, ovf_fd = -1;
+    uint8_t *ovf = NULL;
+    size_t ovf_size = 0;
+    uint64_t ovf_id = 0;
+    PyObject *ret = NULL;
+    if (plan == NULL)
+        return NULL;
+    if (fl_plan_build(st, plan, obj) < 0)
+        goto done;
+    size_t need = fl_plan_size(plan);
+    drain_frees(w);
+    if (w->arena == NULL || need > w->slot_size) {
+        code = new_arena(w, need, &err);
+        if (code == FL_FULL)
+            code = FL_OK;   /* too big for any arena: overflow below */
+        else if (code != FL_OK) {
+            fl_raise(code, err, "creating the ring arena");
+            goto done;
+        }
+    }
+    uint32_t slot = UINT32_MAX;
+    if (w->arena != NULL && need <= w->slot_size) {
+        for (uint32_t i = 0; i < w->nslots; i++)
+            if (!w->busy[i]) {
+                slot = i;
+                break;
+            }
+    }
+    if (slot != UINT32_MAX) {
+        if (fl_plan_write(st, plan, w->arena + (size_t)slot * w->slot_size, w->slot_size) < 0)
+            goto done;
+        w->busy[slot] = 1;
+        r.where = FL_WHERE_SLOT;
+        r.gen = w->gen;
+        r.slot = slot;
+        r.seg = w->arena_seg;
+        r.slot_size = w->slot_size;
+        r.nslots = w->nslots;
+    }
+    else {
+        code = make_overflow(w, need, &ovf, &ovf_size, &ovf_id, &ovf_fd, &err);
+        if (code != FL_OK) {
+            char what[96];
+            snprintf(what, sizeof(what), "creating a %zu-byte overflow segment", ovf_size);
+            fl_raise(code, err, what);
+            goto done;
+        }
+        if (fl_plan_write(st, plan, ovf, ovf_size) < 0)
+            goto done;
+        if (w->strategy == FL_STRATEGY_FD) {
+            fl_fdmsg m = {ovf_id, ovf_size};
+            code = fl_send_fd(w->sock, ovf_fd, &m, sizeof(m), &err);
+            if (code != FL_OK) {
+                fl_raise(code, err, "sending an overflow segment");
+                goto done;
+            }
+        }
+        r.where = FL_WHERE_OVERFLOW;
+        r.seg = ovf_id;
+        w->n_overflow++;
+    }
+    r.nbytes = need;
+    code = push_result(w, &r);
+    if (code != FL_OK) {
+        fl_raise(code, 0, "publishing a result");
+        goto done;
+    }
+    w->n_published++;
+    ret = Py_NewRef(Py_None);
+done:
+    if (ovf != NULL)
+        munmap(ovf, ovf_size);
+    if (ovf_fd >= 0)
+        close(ovf_fd);
+    if (ret == NULL && ovf != NULL && w->strategy == FL_STRATEGY_FS) {
+        char name[FL_NAME_MAX];
+        fl_seg_name(name, w->prefix, ovf_id);
+        shm_unlink(name);
+    }
+    fl_plan_free(plan);
+    return ret;
+}
+
+static PyObject *
+workerchan_stats(WorkerChannelObject *w, PyObject *Py_UNUSED(ignored))
+{
+    return Py_BuildValue("{s:K,s:K,s:K,s:n,s:I}", "published",
+                         (unsigned long long)w->n_published, "overflow",
+                         (unsigned long long)w->n_overflow, "arenas",
+                         (unsigned long long)w->n_arenas, "slot_size",
+                         (Py_ssize_t)w->slot_size, "slots", w->nslots);
+}
+
+static PyObject *
+workerchan_cleanup(WorkerChannelObject *w, PyObject *Py_UNUSED(ignored))
+{
+    (void)w;
+    fl_worker_unlink_pending();
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef workerchan_methods[] = {
+    {"get_task", (PyCFunction)workerchan_get_task, METH_NOARGS, workerchan_get_task_doc},
+    {"publish", (PyCFunction)workerchan_publish, METH_VARARGS, workerchan_publish_doc},
+    {"stats", (PyCFunction)workerchan_stats, METH_NOARGS, PyDoc_STR("stats() -> dict")},
+    {"cleanup", (PyCFunction)workerchan_cleanup, METH_NOARGS,
+     PyDoc_STR("cleanup(): remove named segments the main process has not taken yet")},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot workerchan_slots[] = {
+    {Py_tp_new, workerchan_new},
+    {Py_tp_dealloc, workerchan_dealloc},
+    {Py_tp_methods, workerchan_methods},
+    {Py_tp_doc, (void *)PyDoc_STR(
+         "WorkerChannel(handle, ctl_fd, efd_main, efd_worker, sock, nslots)\n--\n\n"
+         "A worker's end of its shared-memory rings.")},
+    {0, NULL},
+};
+
+PyType_Spec fl_worker_channel_spec = {
+    .name = "fastloader._core.WorkerChannel",
+    .basicsize = sizeof(WorkerChannelObject),
+    .flags = Py_TPFLAGS_DEFAULT,
+    .slots = workerchan_slots,
+};

@@ -1,0 +1,56 @@
+/* Shared definitions for the fastloader C core.
+ *
+ * Code that runs without the GIL returns one of these integer codes and never
+ * touches Python objects; fl_raise() (errors.c) is the single place that turns a
+ * code into a Python exception. */
+#ifndef FL_COMMON_H
+#define FL_COMMON_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <stddef.h>
+
+enum fl_code {
+    FL_OK = 0,
+    FL_ERRNO = -1,     /* errno holds the cause */
+    FL_TIMEOUT = -2,   /* the caller's deadline passed */
+    FL_DEAD = -3,      /* the peer process is gone */
+    FL_SIGNAL = -4,    /* a Python signal handler raised (exception already set) */
+    FL_CORRUPT = -5,   /* shared data failed validation */
+    FL_FULL = -6,      /* a ring had no room */
+    FL_NOMEM = -7,     /* malloc failed */
+};
+
+enum fl_strategy { FL_STRATEGY_FD = 0, FL_STRATEGY_FS = 1 };
+
+#define FL_ALIGN_UP(x, a) (((x) + ((a) - 1)) & ~((size_t)(a) - 1))
+
+/* Raise the exception that matches `code`; `what` names the operation and, for
+ * FL_ERRNO, `err` is the saved errno. Always returns NULL. */
+PyObject *fl_raise(int code, int err, const char *what);
+
+/* The module-level exception classes, created once in module.c. */
+typedef struct {
+    PyObject *FastLoaderError;
+    PyObject *WorkerError;
+    PyObject *DecodeError;
+    PyTypeObject *SegmentType;
+    PyTypeObject *OwnerType;
+    PyTypeObject *MainChannelType;
+    PyTypeObject *WorkerChannelType;
+    /* Python-side hooks registered by fastloader at import (see _codec_hooks.py) */
+    PyObject *tensor_type;     /* torch.Tensor */
+    PyObject *stack_type;      /* fastloader's deferred-stack type */
+    PyObject *hook_export;     /* tensor -> (ndarray, dtype_code, requires_grad) */
+    PyObject *hook_plan;       /* deferred stack -> (shape, np.dtype, dtype_code) */
+    PyObject *hook_fill;       /* (deferred stack, dest ndarray) -> None */
+    PyObject *hook_to_tensor;  /* (ndarray, dtype_code, requires_grad) -> tensor */
+    PyObject *hook_dumps;      /* obj -> (bytes, [out-of-band tensors]) */
+    PyObject *hook_loads;      /* (buffer, [tensors]) -> obj */
+    PyObject *class_cache;     /* pickled class bytes -> class, for namedtuples */
+} fl_state;
+
+fl_state *fl_get_state_from_type(PyTypeObject *tp);
+
+#endif

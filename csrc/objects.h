@@ -1,0 +1,85 @@
+/* The Python types of the C core:
+ *   Segment      one shared mapping (ring arena or overflow segment)
+ *   BatchOwner   keeps a slot busy while any view of its batch lives
+ *   MainChannel  main-process end of one worker's control block
+ *   WorkerChannel worker-process end */
+#ifndef FL_OBJECTS_H
+#define FL_OBJECTS_H
+#include "fl_common.h"
+#include "ring.h"
+#include <sys/types.h>
+
+#define FL_NAME_MAX 256
+
+typedef struct {
+    PyObject_HEAD
+    void *addr;
+    size_t size;
+    pid_t pid;          /* a forked child must not unmap what it never used */
+} SegmentObject;
+
+typedef struct MainChannelObject MainChannelObject;
+
+typedef struct {
+    PyObject_HEAD
+    SegmentObject *seg;
+    MainChannelObject *chan;  /* NULL for overflow segments */
+    uint32_t gen;
+    uint32_t slot;
+    pid_t pid;
+} OwnerObject;
+
+struct MainChannelObject {
+    PyObject_HEAD
+    fl_ctl *ctl;
+    size_t ctl_size;
+    pid_t owner_pid;
+    int worker_id;
+    int strategy;
+    int ctl_fd;          /* handed to the child, closed once it started */
+    int efd_main;        /* worker -> main wake-ups */
+    int efd_worker;      /* main -> worker wake-ups */
+    int sock_main, sock_worker;
+    int pidfd;
+    pid_t pid;
+    int watch;           /* report this worker's exit as a failure */
+    int closed;
+    char prefix[200];
+    char ctl_name[FL_NAME_MAX];
+    SegmentObject *arena;
+    uint32_t arena_gen;
+    uint64_t arena_slot_size;
+    uint32_t arena_nslots;
+    uint64_t n_batches, n_slot, n_overflow, n_arenas;
+};
+
+typedef struct {
+    PyObject_HEAD
+    fl_ctl *ctl;
+    size_t ctl_size;
+    int worker_id;
+    int strategy;
+    int efd_main, efd_worker, sock, main_pidfd;
+    pid_t main_pid;
+    char prefix[200];
+    uint8_t *arena;
+    size_t arena_size;
+    size_t slot_size;
+    uint32_t nslots, nslots_target;
+    uint32_t gen;
+    uint64_t arena_seg;
+    uint8_t *busy;
+    uint64_t n_published, n_overflow, n_arenas;
+} WorkerChannelObject;
+
+extern PyType_Spec fl_segment_spec;
+extern PyType_Spec fl_owner_spec;
+extern PyType_Spec fl_main_channel_spec;
+extern PyType_Spec fl_worker_channel_spec;
+
+SegmentObject *fl_segment_new(fl_state *st, void *addr, size_t size);
+/* module-level functions implemented beside MainChannel */
+PyObject *fl_recv(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *fl_decode_bytes(PyObject *module, PyObject *arg);
+fl_state *fl_module_state(PyObject *module);
+#endif

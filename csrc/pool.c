@@ -1,0 +1,179 @@
+#define _GNU_SOURCE
+#include "fl_common.h"
+#include "pool.h"
+#include "shm.h"
+#include <errno.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434
+#endif
+
+int
+fl_pidfd_open(pid_t pid, int *err)
+{
+    int fd = (int)syscall(SYS_pidfd_open, pid, 0);
+    if (fd < 0) {
+        *err = errno;
+        return -1;
+    }
+    return fd;
+}
+
+int
+fl_proc_dead(pid_t pid, int pidfd)
+{
+    if (pidfd >= 0) {
+        struct pollfd p = {.fd = pidfd, .events = POLLIN};
+        int n;
+        do {
+            n = poll(&p, 1, 0);
+        } while (n < 0 && errno == EINTR);
+        return n > 0;
+    }
+    siginfo_t si;
+    memset(&si, 0, sizeof(si));
+    if (waitid(P_PID, (id_t)pid, &si, WEXITED | WNOHANG | WNOWAIT) == 0)
+        return si.si_pid != 0;
+    return kill(pid, 0) < 0 && errno == ESRCH;
+}
+
+void
+fl_seg_name(char *dst, const char *prefix, unsigned long long id)
+{
+    size_t n = 0;
+    dst[n++] = '/';
+    for (const char *p = prefix; *p; p++)
+        dst[n++] = *p;
+    dst[n++] = '-';
+    dst[n++] = 's';
+    n += fl_fmt_u64(dst + n, id);
+    dst[n] = '\0';
+}
+
+/* Worker-process globals: a worker serves exactly one channel. */
+static fl_ctl *g_ctl;
+static char g_prefix[200];
+static int g_main_pidfd = -1;
+static pid_t g_main_pid;
+static volatile sig_atomic_t g_cleaning;
+
+void
+fl_worker_unlink_pending(void)
+{
+    if (g_ctl == NULL || g_prefix[0] == '\0' || g_cleaning)
+        return;
+    g_cleaning = 1;
+    char name[256];
+    uint64_t lo = atomic_load(&g_ctl->unlinked_upto);
+    uint64_t hi = atomic_load(&g_ctl->next_seg_id);
+    for (uint64_t id = lo; id < hi && hi - id < (1u << 20); id++) {
+        fl_seg_name(name, g_prefix, id);
+        shm_unlink(name);
+    }
+    g_cleaning = 0;
+}
+
+static int
+main_is_gone(void)
+{
+    if (g_main_pidfd >= 0) {
+        struct pollfd p = {.fd = g_main_pidfd, .events = POLLIN};
+        return poll(&p, 1, 0) > 0;
+    }
+    return getppid() != g_main_pid && kill(g_main_pid, 0) < 0;
+}
+
+/* PR_SET_PDEATHSIG fires when the *thread* that forked us exits, which need not
+ * mean the main process is gone: only act if it really is. */
+static void
+on_parent_death(int sig)
+{
+    (void)sig;
+    if (main_is_gone()) {
+        fl_worker_unlink_pending();
+        _exit(1);
+    }
+}
+
+static void *
+watchdog(void *arg)
+{
+    (void)arg;
+    for (;;) {
+        if (g_main_pidfd >= 0) {
+            struct pollfd p = {.fd = g_main_pidfd, .events = POLLIN};
+            int n = poll(&p, 1, -1);
+            if (n < 0 && errno == EINTR)
+                continue;
+            if (n < 0)
+                return NULL;
+        }
+        else {
+            usleep(200 * 1000);
+        }
+        if (main_is_gone()) {
+            fl_worker_unlink_pending();
+            _exit(1);
+        }
+    }
+    return NULL;
+}
+
+int
+fl_worker_arm(fl_ctl *ctl, const char *seg_prefix, pid_t main_pid, int *err)
+{
+    g_ctl = ctl;
+    g_main_pid = main_pid;
+    if (seg_prefix != NULL) {
+        size_t n = strlen(seg_prefix);
+        if (n >= sizeof(g_prefix)) {
+            *err = ENAMETOOLONG;
+            return FL_ERRNO;
+        }
+        memcpy(g_prefix, seg_prefix, n + 1);
+    }
+    int dummy;
+    g_main_pidfd = fl_pidfd_open(main_pid, &dummy);
+
+    struct sigaction sa;
+    memset(&sa, 0, sizeof(sa));
+    sa.sa_handler = on_parent_death;
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = SA_RESTART;
+    int sig = SIGRTMIN + 3;
+    if (sigaction(sig, &sa, NULL) < 0 || prctl(PR_SET_PDEATHSIG, sig) < 0) {
+        *err = errno;
+        return FL_ERRNO;
+    }
+    /* The main process may have died before the prctl above took effect. */
+    if (main_is_gone()) {
+        fl_worker_unlink_pending();
+        _exit(1);
+    }
+    pthread_t t;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    pthread_attr_setstacksize(&attr, 64 * 1024);
+    /* The watchdog must not take signals meant for the Python main thread. */
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old);
+    int rc = pthread_create(&t, &attr, watchdog, NULL);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    pthread_attr_destroy(&attr);
+    if (rc != 0) {
+        *err = rc;
+        return FL_ERRNO;
+    }
+    return FL_OK;
+}

@@ -1,0 +1,21 @@
+/* Worker liveness: pidfds in the main process; in workers, PR_SET_PDEATHSIG and
+ * a watchdog thread that notice the main process's death, remove the worker's
+ * named segments (file_system strategy) and exit. */
+#ifndef FL_POOL_H
+#define FL_POOL_H
+#include <sys/types.h>
+#include "ring.h"
+
+/* -1 with *err set when the kernel lacks pidfd_open (then fl_proc_dead polls). */
+int fl_pidfd_open(pid_t pid, int *err);
+/* 1 if the process is gone (exited or zombie), 0 if alive. */
+int fl_proc_dead(pid_t pid, int pidfd);
+
+/* Worker side: remember what to clean up and arm PDEATHSIG and the watchdog. */
+int fl_worker_arm(fl_ctl *ctl, const char *seg_prefix, pid_t main_pid, int *err);
+/* Unlink this worker's not-yet-unlinked named segments. Async-signal-safe. */
+void fl_worker_unlink_pending(void);
+
+/* Build "/<prefix>-s<id>" into dst (size >= strlen(prefix) + 24). Signal-safe. */
+void fl_seg_name(char *dst, const char *prefix, unsigned long long id);
+#endif

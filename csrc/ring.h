@@ -1,0 +1,104 @@
+/* The per-worker control block in shared memory and its three lock-free
+ * single-producer/single-consumer rings:
+ *   tasks   main -> worker   variable-size records in a byte ring
+ *   results worker -> main   fixed-size descriptors of published batches
+ *   frees   main -> worker   slots the main process no longer uses
+ * Wake-ups go through eventfds, written only when the other side said it sleeps,
+ * so a busy pipeline makes no system calls. */
+#ifndef FL_RING_H
+#define FL_RING_H
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stddef.h>
+
+#define FL_CTL_MAGIC 0x464c4354u /* "FLCT" */
+#define FL_CTL_VERSION 1u
+
+/* task kinds */
+enum {
+    FL_TASK_PAD = 0,      /* filler up to the end of the byte ring */
+    FL_TASK_INDICES = 1,  /* payload: int64[n] -> list of int */
+    FL_TASK_INDEX = 2,    /* payload: int64 -> int */
+    FL_TASK_NONES = 3,    /* payload: int64 n -> [None] * n (iterable datasets) */
+    FL_TASK_PICKLE = 4,   /* payload: pickle bytes of the index object */
+    FL_TASK_RESUME = 5,   /* persistent workers: start a new epoch */
+    FL_TASK_SHUTDOWN = 6,
+};
+
+/* result kinds */
+enum {
+    FL_RES_BATCH = 1,
+    FL_RES_ERROR = 2,     /* payload: an ExceptionWrapper */
+    FL_RES_ITER_END = 3,  /* the worker's IterableDataset replica is exhausted */
+    FL_RES_RESUMED = 4,   /* acknowledges FL_TASK_RESUME */
+};
+
+/* where a result's payload lies */
+enum { FL_WHERE_NONE = 0, FL_WHERE_SLOT = 1, FL_WHERE_OVERFLOW = 2 };
+
+typedef struct {
+    int64_t seq;
+    uint32_t kind;
+    uint32_t where;
+    uint32_t gen;      /* arena generation, for FL_WHERE_SLOT */
+    uint32_t slot;
+    uint64_t seg;      /* overflow id (FL_WHERE_OVERFLOW) or arena size (new gen) */
+    uint64_t nbytes;   /* encoded size */
+    uint64_t slot_size;
+    uint32_t nslots;
+    uint32_t pad;
+} fl_result;
+
+typedef struct {
+    uint32_t len;      /* whole record, header included, multiple of 32 so a
+                          header always fits before the end of the ring */
+    uint32_t kind;
+    int64_t seq;
+    uint64_t payload_len;
+} fl_task_hdr;
+
+#define FL_CL 64
+typedef struct {
+    uint32_t magic, version;
+    uint32_t worker_id, pad0;
+    uint64_t task_cap;     /* bytes, power of two */
+    uint32_t res_cap;      /* entries, power of two */
+    uint32_t free_cap;     /* entries, power of two */
+    uint64_t res_off, free_off, task_off, total;
+    _Alignas(FL_CL) _Atomic uint64_t task_head;
+    _Alignas(FL_CL) _Atomic uint64_t task_tail;
+    _Alignas(FL_CL) _Atomic uint64_t res_head;
+    _Alignas(FL_CL) _Atomic uint64_t res_tail;
+    _Alignas(FL_CL) _Atomic uint64_t free_head;
+    _Alignas(FL_CL) _Atomic uint64_t free_tail;
+    _Alignas(FL_CL) _Atomic uint32_t main_waiting;
+    _Alignas(FL_CL) _Atomic uint32_t worker_waiting;
+    /* file_system strategy: segment ids below this were unlinked by the main
+     * process; a worker cleaning up after the main process died unlinks the rest. */
+    _Alignas(FL_CL) _Atomic uint64_t unlinked_upto;
+    _Atomic uint64_t next_seg_id;
+} fl_ctl;
+
+size_t fl_ctl_layout(uint64_t task_cap, uint32_t res_cap, uint32_t free_cap);
+void fl_ctl_init(fl_ctl *c, uint32_t worker_id, uint64_t task_cap, uint32_t res_cap,
+                 uint32_t free_cap);
+int fl_ctl_check(const fl_ctl *c, size_t mapped);
+
+/* tasks: reserve room for a payload, fill it, then commit */
+int fl_task_reserve(fl_ctl *c, uint64_t payload_len, uint8_t **payload_out);
+void fl_task_commit(fl_ctl *c, uint32_t kind, int64_t seq, uint64_t payload_len);
+/* consumer side: returns 1 and points into the ring when a task is present */
+int fl_task_peek(fl_ctl *c, fl_task_hdr *hdr, const uint8_t **payload);
+void fl_task_pop(fl_ctl *c, const fl_task_hdr *hdr);
+
+int fl_res_push(fl_ctl *c, const fl_result *r);
+int fl_res_pop(fl_ctl *c, fl_result *r);
+int fl_res_empty(fl_ctl *c);
+
+int fl_free_push(fl_ctl *c, uint64_t v);
+int fl_free_pop(fl_ctl *c, uint64_t *v);
+
+/* After publishing: wake the other side if it sleeps (it set *waiting first). */
+void fl_wake(_Atomic uint32_t *waiting, int efd);
+void fl_drain_efd(int efd);
+#endif

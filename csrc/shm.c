@@ -1,0 +1,159 @@
+#define _GNU_SOURCE
+#include "fl_common.h"
+#include "shm.h"
+#include <errno.h>
+#include <fcntl.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+int
+fl_seg_create(const char *name, size_t size, int reserve, int *fd_out, int *err)
+{
+    int fd = -1;
+    if (name == NULL)
+        fd = memfd_create("fastloader", MFD_CLOEXEC);
+    else
+        fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    if (fd < 0)
+        goto fail;
+    if (name != NULL && fchmod(fd, 0600) < 0)   /* umask may not loosen it, but be sure */
+        goto fail;
+    if (ftruncate(fd, (off_t)size) < 0)
+        goto fail;
+    if (reserve) {
+        int rc;
+        do {
+            rc = posix_fallocate(fd, 0, (off_t)size);
+        } while (rc == EINTR);
+        /* EOPNOTSUPP: the filesystem cannot reserve; fall back to lazy pages. */
+        if (rc != 0 && rc != EOPNOTSUPP && rc != EINVAL) {
+            errno = rc;
+            goto fail;
+        }
+    }
+    *fd_out = fd;
+    return FL_OK;
+fail:
+    *err = errno;
+    if (fd >= 0) {
+        close(fd);
+        if (name != NULL)
+            shm_unlink(name);
+    }
+    return FL_ERRNO;
+}
+
+int
+fl_seg_open(const char *name, int *fd_out, int *err)
+{
+    int fd = shm_open(name, O_RDWR | O_CLOEXEC, 0);
+    if (fd < 0) {
+        *err = errno;
+        return FL_ERRNO;
+    }
+    *fd_out = fd;
+    return FL_OK;
+}
+
+int
+fl_seg_map(int fd, size_t size, void **addr_out, int *err)
+{
+    void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) {
+        *err = errno;
+        return FL_ERRNO;
+    }
+    *addr_out = p;
+    return FL_OK;
+}
+
+void
+fl_seg_dontfork(void *addr, size_t size)
+{
+    (void)madvise(addr, size, MADV_DONTFORK);
+}
+
+int
+fl_send_fd(int sock, int fd, const void *msg, size_t len, int *err)
+{
+    struct iovec iov = {.iov_base = (void *)msg, .iov_len = len};
+    union {
+        char buf[CMSG_SPACE(sizeof(int))];
+        struct cmsghdr align;
+    } u;
+    struct msghdr mh;
+    memset(&mh, 0, sizeof(mh));
+    memset(&u, 0, sizeof(u));
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    mh.msg_control = u.buf;
+    mh.msg_controllen = sizeof(u.buf);
+    struct cmsghdr *c = CMSG_FIRSTHDR(&mh);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(c), &fd, sizeof(int));
+    ssize_t n;
+    do {
+        n = sendmsg(sock, &mh, MSG_NOSIGNAL);
+    } while (n < 0 && errno == EINTR);
+    if (n != (ssize_t)len) {
+        *err = n < 0 ? errno : EPROTO;
+        return FL_ERRNO;
+    }
+    return FL_OK;
+}
+
+int
+fl_recv_fd(int sock, int *fd_out, void *msg, size_t len, int *err)
+{
+    struct iovec iov = {.iov_base = msg, .iov_len = len};
+    union {
+        char buf[CMSG_SPACE(sizeof(int))];
+        struct cmsghdr align;
+    } u;
+    struct msghdr mh;
+    memset(&mh, 0, sizeof(mh));
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    mh.msg_control = u.buf;
+    mh.msg_controllen = sizeof(u.buf);
+    ssize_t n;
+    do {
+        n = recvmsg(sock, &mh, MSG_CMSG_CLOEXEC);
+    } while (n < 0 && errno == EINTR);
+    if (n <= 0) {
+        *err = n < 0 ? errno : EPIPE;
+        return FL_ERRNO;
+    }
+    int fd = -1;
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c != NULL; c = CMSG_NXTHDR(&mh, c)) {
+        if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS)
+            memcpy(&fd, CMSG_DATA(c), sizeof(int));
+    }
+    if (fd < 0 || (size_t)n != len || (mh.msg_flags & (MSG_CTRUNC | MSG_TRUNC))) {
+        if (fd >= 0)
+            close(fd);
+        *err = EPROTO;
+        return FL_ERRNO;
+    }
+    *fd_out = fd;
+    return FL_OK;
+}
+
+size_t
+fl_fmt_u64(char *dst, unsigned long long v)
+{
+    char tmp[24];
+    size_t n = 0;
+    do {
+        tmp[n++] = (char)('0' + v % 10);
+        v /= 10;
+    } while (v);
+    for (size_t i = 0; i < n; i++)
+        dst[i] = tmp[n - 1 - i];
+    return n;
+}

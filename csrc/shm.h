@@ -1,0 +1,23 @@
+/* Shared-memory segments: anonymous memfd ("file_descriptor" strategy) or named
+ * POSIX shm ("file_system" strategy), plus passing fds over a unix socket.
+ * All functions run without the GIL and return fl_code values. */
+#ifndef FL_SHM_H
+#define FL_SHM_H
+#include <stddef.h>
+
+/* Create a segment of `size` bytes with every page reserved up front (fallocate),
+ * so that memory exhaustion is an ENOSPC/ENOMEM here and never a SIGBUS later.
+ * name == NULL: memfd. Otherwise: shm_open(name, O_CREAT|O_EXCL, 0600). */
+int fl_seg_create(const char *name, size_t size, int reserve, int *fd_out, int *err);
+int fl_seg_open(const char *name, int *fd_out, int *err);
+int fl_seg_map(int fd, size_t size, void **addr_out, int *err);
+/* Mappings made in the main process are not inherited by later forks. */
+void fl_seg_dontfork(void *addr, size_t size);
+
+/* One fd plus a small fixed-size message; retries on EINTR. */
+int fl_send_fd(int sock, int fd, const void *msg, size_t len, int *err);
+int fl_recv_fd(int sock, int *fd_out, void *msg, size_t len, int *err);
+
+/* Write a decimal number without stdio (async-signal-safe); returns chars written. */
+size_t fl_fmt_u64(char *dst, unsigned long long v);
+#endif

@@ -1,0 +1,169 @@
+"""The Python half of the batch codec, registered into the C core at import.
+
+The C encoder walks a batch and handles containers, numbers, strings and NumPy
+arrays itself. It calls in here only per tensor (to see its bytes as an array, and
+back), per deferred stack (the worker's collate stacks straight into the slot), and
+for objects it does not know, which are pickled with their tensors and arrays kept
+out of band, so that even a custom batch class moves its tensor data without a copy
+through pickle.
+"""
+from __future__ import annotations
+
+import io
+import pickle
+
+import numpy as np
+import torch
+
+from . import _core
+
+# torch dtype -> NumPy dtype of the same width that holds its bytes; dtypes NumPy
+# lacks travel as raw integers and are viewed back on arrival.
+_NATIVE = {
+    torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
+    torch.complex64: np.complex64, torch.complex128: np.complex128,
+    torch.int8: np.int8, torch.int16: np.int16, torch.int32: np.int32,
+    torch.int64: np.int64, torch.uint8: np.uint8, torch.bool: np.bool_,
+}
+_RAW_BY_WIDTH = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
+_OPTIONAL_NATIVE = {"uint16": np.uint16, "uint32": np.uint32, "uint64": np.uint64}
+_OPTIONAL_RAW = ("bfloat16", "complex32", "float8_e4m3fn", "float8_e5m2",
+                 "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+
+DTYPES: list = []          # code -> torch dtype
+_STORAGE: list = []        # code -> NumPy dtype of the bytes
+_NEEDS_VIEW: list = []     # code -> whether the tensor must be .view()ed back
+CODE: dict = {}            # torch dtype -> code
+
+
+def _register(tdtype, npdtype, view):
+    CODE[tdtype] = len(DTYPES)
+    DTYPES.append(tdtype)
+    _STORAGE.append(np.dtype(npdtype))
+    _NEEDS_VIEW.append(view)
+
+
+for _t, _n in _NATIVE.items():
+    _register(_t, _n, False)
+for _name, _n in _OPTIONAL_NATIVE.items():
+    if hasattr(torch, _name):
+        # from_numpy learned unsigned 16/32/64 only in torch 2.3: view from raw there.
+        _register(getattr(torch, _name), _n, True)
+for _name in _OPTIONAL_RAW:
+    _t = getattr(torch, _name, None)
+    if _t is not None:
+        _register(_t, _RAW_BY_WIDTH[_t.itemsize], True)
+
+
+def exportable(t) -> bool:
+    """Whether the ring can carry this tensor's bytes directly."""
+    return (type(t) is torch.Tensor and t.layout is torch.strided
+            and t.device.type == "cpu" and t.dtype in CODE and not t.is_quantized)
+
+
+def export_tensor(t):
+    """tensor -> (ndarray over its bytes, dtype code, requires_grad), or None."""
+    if not exportable(t):
+        return None
+    code = CODE[t.dtype]
+    d = t.detach()
+    if d.is_conj() or d.is_neg():
+        d = d.resolve_conj().resolve_neg()
+    if not d.is_contiguous():
+        d = d.contiguous()
+    if _NEEDS_VIEW[code]:
+        d = d.view(_torch_raw(code))
+    return d.numpy(), code, t.requires_grad
+
+
+_RAW_TORCH = {np.dtype(np.uint8): torch.uint8, np.dtype(np.int16): torch.int16,
+              np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64,
+              np.dtype(np.uint16): torch.int16, np.dtype(np.uint32): torch.int32,
+              np.dtype(np.uint64): torch.int64}
+
+
+def _torch_raw(code):
+    return _RAW_TORCH[_STORAGE[code]]
+
+
+def to_tensor(arr, code, requires_grad):
+    """ndarray view of a slot -> tensor sharing its memory (the array stays its base)."""
+    if _NEEDS_VIEW[code]:
+        if arr.dtype.kind == "u":   # from_numpy may not know unsigned wide ints
+            arr = arr.view(np.dtype(f"i{arr.dtype.itemsize}"))
+        t = torch.from_numpy(arr).view(DTYPES[code])
+    else:
+        t = torch.from_numpy(arr)
+    if requires_grad:
+        t.requires_grad_(True)
+    return t
+
+
+class DeferredStack:
+    """What the worker-side collate returns instead of torch.stack(batch): the
+    encoder sizes the slot from shape and dtype, then stacks straight into it."""
+
+    __slots__ = ("tensors", "shape", "code")
+
+    def __init__(self, tensors, shape, code):
+        self.tensors = tensors
+        self.shape = shape
+        self.code = code
+
+
+def plan_stack(s):
+    return s.shape, _STORAGE[s.code], s.code
+
+
+def fill_stack(s, dest):
+    out = torch.from_numpy(dest.view(np.dtype(f"i{dest.dtype.itemsize}"))
+                           if dest.dtype.kind == "u" and _NEEDS_VIEW[s.code] else dest)
+    if _NEEDS_VIEW[s.code]:
+        out = out.view(DTYPES[s.code])
+    torch.stack(s.tensors, 0, out=out)
+
+
+class _OutOfBandPickler(pickle.Pickler):
+    """Pickles anything, but leaves plain tensors and arrays to the ring."""
+
+    def __init__(self, file, oob):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self._oob = oob
+        self._seen = {}
+
+    def persistent_id(self, obj):
+        if exportable(obj) or (type(obj) is np.ndarray and obj.dtype.kind in "biufc"
+                               and obj.dtype.isnative and obj.dtype.names is None):
+            key = id(obj)
+            if key not in self._seen:   # the same tensor twice stays one tensor
+                self._seen[key] = len(self._oob)
+                self._oob.append(obj)
+            return ("fl", self._seen[key])
+        return None
+
+
+class _OutOfBandUnpickler(pickle.Unpickler):
+    def __init__(self, file, oob):
+        super().__init__(file)
+        self._oob = oob
+
+    def persistent_load(self, pid):
+        if not (isinstance(pid, tuple) and len(pid) == 2 and pid[0] == "fl"
+                and 0 <= pid[1] < len(self._oob)):
+            raise pickle.UnpicklingError(f"fastloader: bad out-of-band reference {pid!r}")
+        return self._oob[pid[1]]
+
+
+def dumps(obj):
+    buf = io.BytesIO()
+    oob: list = []
+    _OutOfBandPickler(buf, oob).dump(obj)
+    return buf.getvalue(), oob
+
+
+def loads(data, oob):
+    return _OutOfBandUnpickler(io.BytesIO(data), oob).load()
+
+
+_core.set_hooks(torch.Tensor, DeferredStack, export_tensor, plan_stack, fill_stack,
+                to_tensor, dumps, loads)

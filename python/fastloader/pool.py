@@ -1,0 +1,188 @@
+"""Starting, watching and stopping worker processes.
+
+Processes are started through the loader's multiprocessing context ('fork',
+'spawn', 'forkserver' or a context object), so every start method torch supports
+works. Each worker's channel fds cross to the child with multiprocessing's own fd
+passing (inherited under fork, passed under spawn/forkserver). Liveness is watched
+from C through a pidfd per worker; this module turns a death into a clear error."""
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import threading
+import uuid
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from . import _core
+from .worker import worker_main
+
+# Main-process ends of live channels: a worker forked later closes them at start.
+MAIN_FDS: set = set()
+
+_LIVE_POOLS: "weakref.WeakSet[WorkerPool]" = weakref.WeakSet()
+_LIVE_LOCK = threading.Lock()
+
+STRATEGIES = {"file_descriptor": _core.STRATEGY_FD, "file_system": _core.STRATEGY_FS}
+
+
+@dataclass
+class WorkerSpec:
+    """Everything a worker needs; pickled once per worker under spawn/forkserver."""
+    dataset_kind: int
+    dataset: Any
+    auto_collation: bool
+    collate_fn: Callable
+    drop_last: bool
+    base_seed: int
+    worker_init_fn: Optional[Callable]
+    worker_id: int
+    num_workers: int
+    nslots: int
+
+
+class _Fd:
+    """An fd argument of the worker process: inherited as is under fork, passed by
+    multiprocessing (SCM_RIGHTS / pass_fds) when the process object is pickled."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def detach(self) -> int:
+        return self.fd
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return _Fd._rebuild, (reduction.DupFd(self.fd),)
+
+    @staticmethod
+    def _rebuild(dup):
+        return _Fd(dup.detach())
+
+
+def _fd_arg(fd: int):
+    return _Fd(fd) if fd >= 0 else -1
+
+
+class WorkerPool:
+    def __init__(self, context, specs, strategy: int, task_capacity: int,
+                 result_capacity: int):
+        self.prefix = f"fastloader-{os.getpid()}-{uuid.uuid4().hex[:10]}"
+        self.channels: list = []
+        self.procs: list = []
+        self._closed = False
+        with _LIVE_LOCK:
+            _LIVE_POOLS.add(self)
+        try:
+            for spec in specs:
+                self._start_one(context, spec, strategy, task_capacity, result_capacity)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.channel_tuple = tuple(self.channels)
+
+    def _start_one(self, context, spec, strategy, task_capacity, result_capacity):
+        ch = _core.MainChannel(spec.worker_id, strategy, self.prefix, task_capacity,
+                               result_capacity)
+        self.channels.append(ch)
+        MAIN_FDS.update(ch.main_fds())
+        h = ch.handle()
+        fds = (_fd_arg(h["ctl_fd"]), _fd_arg(h["efd_main"]), _fd_arg(h["efd_worker"]),
+               _fd_arg(h["sock"]))
+        proc = context.Process(target=worker_main, args=(spec, h, fds), daemon=True)
+        try:
+            proc.start()
+        except Exception as exc:
+            import pickle
+
+            if isinstance(exc, (TypeError, AttributeError, pickle.PicklingError)):
+                raise type(exc)(
+                    f"{exc}\nfastloader: the worker process's arguments (dataset, "
+                    f"collate_fn, worker_init_fn) must be picklable under the "
+                    f"'{context.get_start_method()}' start method") from exc
+            raise
+        self.procs.append(proc)
+        ch.started(proc.pid)
+        MAIN_FDS.update(ch.main_fds())
+
+    @property
+    def pids(self):
+        return [p.pid for p in self.procs]
+
+    def death_message(self, worker_id: int) -> str:
+        proc = self.procs[worker_id]
+        proc.join(timeout=2.0)
+        code = proc.exitcode
+        head = f"DataLoader worker {worker_id} (pid {proc.pid})"
+        if code is None:
+            return f"{head} exited unexpectedly"
+        if code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            hint = {
+                "SIGKILL": " (killed by someone, or by the out-of-memory killer)",
+                "SIGBUS": " (often: shared memory ran out)",
+                "SIGSEGV": " (a crash in native code the dataset called)",
+            }.get(name, "")
+            return f"{head} was killed by signal {-code} ({name}){hint}"
+        return f"{head} exited unexpectedly with exit code {code}"
+
+    def stop_worker(self, worker_id: int):
+        """Ask one worker to exit (its iterable replica is exhausted); its exit is
+        then expected, not a failure."""
+        ch = self.channels[worker_id]
+        ch.watch = False
+        if not ch.closed:
+            ch.put_task(_core.TASK_SHUTDOWN, -1)
+
+    def shutdown(self, timeout: float = 5.0):
+        if self._closed:
+            return
+        self._closed = True
+        import time
+
+        for ch in self.channels:
+            ch.watch = False
+            if not ch.closed:
+                try:
+                    ch.put_task(_core.TASK_SHUTDOWN, -1)
+                except Exception:
+                    pass   # a full ring: the worker gets terminated below
+        deadline = time.monotonic() + timeout
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(1.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for ch in self.channels:
+            MAIN_FDS.difference_update(ch.main_fds())
+            ch.close()
+        for proc in self.procs:
+            try:
+                proc.close()
+            except Exception:
+                pass
+        with _LIVE_LOCK:
+            _LIVE_POOLS.discard(self)
+
+
+@atexit.register
+def _shutdown_all():
+    # Registered after multiprocessing's own atexit hook, so it runs before it:
+    # our workers stop cleanly instead of being terminated with a warning.
+    with _LIVE_LOCK:
+        pools = list(_LIVE_POOLS)
+    for pool in pools:
+        try:
+            pool.shutdown(timeout=2.0)
+        except Exception:
+            pass

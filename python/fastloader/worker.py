@@ -1,0 +1,169 @@
+"""The loop a worker process runs: attach to its channel, seed as torch seeds,
+then fetch -> collate -> publish into the ring until told to stop."""
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import signal
+
+import torch
+from torch.utils.data import _DatasetKind
+from torch.utils.data._utils import worker as _tw
+from torch.utils.data._utils.worker import WorkerInfo
+
+from . import _codec_hooks  # noqa: F401  (registers the codec hooks in this process)
+from . import _core
+from .collate import worker_collate
+
+
+def _seed(base_seed: int, worker_id: int) -> int:
+    """Exactly torch's per-worker seeding of random, torch and numpy."""
+    seed = base_seed + worker_id
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy is a dependency
+        return seed
+    np.random.seed(_tw._generate_state(base_seed, worker_id))
+    return seed
+
+
+def _wrap_exception(worker_id: int, seq: int, index):
+    # torch's ExceptionWrapper keeps the traceback text; we add the batch it was
+    # building, which torch does not say.
+    from torch._utils import ExceptionWrapper
+
+    return ExceptionWrapper(where=f"in DataLoader worker process {worker_id}"
+                            f" (batch {seq}, index {_short(index)})")
+
+
+def _short(index) -> str:
+    text = repr(index)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _unencodable(worker_id, seq, index, data, exc):
+    """A batch that neither the codec nor pickle can carry: say which object."""
+    culprit = _find_unpicklable(data)
+    what = f"{type(culprit).__module__}.{type(culprit).__qualname__}" if culprit is not None \
+        else type(data).__qualname__
+    err = TypeError(f"fastloader: cannot send the batch for index {_short(index)} from "
+                    f"worker {worker_id} to the main process: an object of type {what} "
+                    f"cannot be pickled ({type(exc).__name__}: {exc})")
+    try:
+        raise err from exc
+    except TypeError:
+        return _wrap_exception(worker_id, seq, index)
+
+
+def _find_unpicklable(obj, depth=0):
+    if depth > 50:
+        return None
+    children = ()
+    if isinstance(obj, dict):
+        children = list(obj.keys()) + list(obj.values())
+    elif isinstance(obj, (list, tuple)):
+        children = obj
+    for c in children:
+        found = _find_unpicklable(c, depth + 1)
+        if found is not None:
+            return found
+    if isinstance(obj, (dict, list, tuple)):
+        return None
+    try:
+        pickle.dumps(obj)
+    except Exception:
+        return obj
+    return None
+
+
+def _close_inherited_fds(keep):
+    """Under fork a worker inherits the main process's ends of its siblings'
+    channels; close them so that fd counts stay constant."""
+    from . import pool
+
+    for fd in list(pool.MAIN_FDS):
+        if fd >= 0 and fd not in keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    pool.MAIN_FDS.clear()
+
+
+def worker_main(spec, handle, fds):
+    """Entry point of a worker process (the multiprocessing target)."""
+    # Ctrl-C goes to the whole process group; the main process handles it and
+    # shuts us down, so a worker must not print a KeyboardInterrupt traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ctl_fd, efd_main, efd_worker, sock = (f.detach() if hasattr(f, "detach") else f
+                                          for f in fds)
+    _close_inherited_fds({ctl_fd, efd_main, efd_worker, sock})
+    chan = _core.WorkerChannel(handle, ctl_fd, efd_main, efd_worker, sock, spec.nslots)
+    try:
+        _serve(spec, chan)
+    finally:
+        chan.cleanup()
+
+
+def _serve(spec, chan):
+    torch.set_num_threads(1)
+    wid = spec.worker_id
+    seed = _seed(spec.base_seed, wid)
+    dataset = spec.dataset
+    _tw._worker_info = WorkerInfo(id=wid, num_workers=spec.num_workers, seed=seed,
+                                  dataset=dataset)
+    collate_fn = worker_collate(spec.collate_fn)
+    init_error = None
+    fetcher = None
+    try:
+        if spec.worker_init_fn is not None:
+            spec.worker_init_fn(wid)
+        fetcher = _DatasetKind.create_fetcher(spec.dataset_kind, dataset,
+                                              spec.auto_collation, collate_fn,
+                                              spec.drop_last)
+    except Exception:
+        init_error = _wrap_exception(wid, -1, "worker_init_fn")
+
+    iteration_end = False
+    while True:
+        task = chan.get_task()
+        if task is None:          # the main process is gone
+            return
+        kind, seq, index = task
+        if kind == _core.TASK_SHUTDOWN:
+            return
+        if kind == _core.TASK_RESUME:
+            # persistent workers: a new epoch restarts the replica as torch does
+            iteration_end = False
+            fetcher = _DatasetKind.create_fetcher(spec.dataset_kind, dataset,
+                                                  spec.auto_collation, collate_fn,
+                                                  spec.drop_last)
+            chan.publish(_core.RES_RESUMED, seq)
+            continue
+        if kind == _core.TASK_PICKLE:
+            index = pickle.loads(index)
+        if iteration_end:
+            chan.publish(_core.RES_ITER_END, seq)
+            continue
+        if init_error is not None:
+            data, rkind, init_error = init_error, _core.RES_ERROR, None
+        else:
+            try:
+                data, rkind = fetcher.fetch(index), _core.RES_BATCH
+            except StopIteration:
+                if spec.dataset_kind != _DatasetKind.Iterable:
+                    data, rkind = _wrap_exception(wid, seq, index), _core.RES_ERROR
+                else:
+                    iteration_end = True
+                    chan.publish(_core.RES_ITER_END, seq)
+                    continue
+            except Exception:
+                data, rkind = _wrap_exception(wid, seq, index), _core.RES_ERROR
+        try:
+            chan.publish(rkind, seq, data)
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:
+            chan.publish(_core.RES_ERROR, seq, _unencodable(wid, seq, index, data, exc))
+        del data

@@ -1,0 +1,54 @@
+"""Suite-wide guards: no process and no /dev/shm/fastloader-* may outlive a test.
+
+pytest settings (filterwarnings = error, faulthandler_timeout) live in pyproject.toml.
+"""
+import os
+import sys
+
+import psutil
+import pytest
+
+from tests import helpers
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_shm_left_behind_by_the_session():
+    before = helpers.shm_names()
+    yield
+    helpers.settle()
+    helpers.wait_until(lambda: not (helpers.shm_names() - before), 5)
+    left = helpers.shm_names() - before
+    assert not left, f"named segments left in /dev/shm by the test session: {sorted(left)}"
+
+
+@pytest.fixture(autouse=True)
+def _no_worker_outlives_its_test():
+    """Every worker a test started must be joined (not merely killed: no zombie) once the
+    test dropped its loaders."""
+    before = helpers.loader_children()
+    yield
+    helpers.settle()
+
+    def new_children():
+        return helpers.loader_children() - before
+
+    helpers.wait_until(lambda: not new_children(), 5)
+    left = []
+    for pid in sorted(new_children()):
+        try:
+            proc = psutil.Process(pid)
+            left.append(f"{pid} ({proc.status()}): {' '.join(proc.cmdline())[:120]}")
+        except psutil.Error:
+            pass
+    assert not left, "processes left running after the test:\n" + "\n".join(left)
+
+
+@pytest.fixture
+def subprocess_env():
+    """Environment for a child interpreter that imports fastloader and tests like we do."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in sys.path if p])
+    env.pop("PYTHONWARNINGS", None)
+    return env
