@@ -20,6 +20,8 @@ Method, and why:
 
 import gc
 import mmap
+import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import statistics
 import sys
 import time
@@ -150,6 +152,19 @@ def time_one_epoch(loader, warmup_batches):
     )
 
 
+def _multiprocessing_helper_pids():
+    """The forkserver and resource tracker: started once, they live until exit.
+
+    Workers started by the forkserver are its children, so they are still
+    found (and waited for) through the recursive child search.
+    """
+    helpers = (
+        getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None),
+        getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None),
+    )
+    return {pid for pid in helpers if pid is not None}
+
+
 def wait_for_workers_to_exit(children_before):
     """Wait until the child processes a loader started have exited.
 
@@ -157,10 +172,11 @@ def wait_for_workers_to_exit(children_before):
     to report, not something for the benchmark to hide.
     """
     gc.collect()  # an iterator caught in a reference cycle would keep its workers
+    expected = set(children_before) | _multiprocessing_helper_pids()
     lingering = [
         child
         for child in psutil.Process().children(recursive=True)
-        if child.pid not in children_before
+        if child.pid not in expected
     ]
     _, alive = psutil.wait_procs(lingering, timeout=_WORKER_EXIT_TIMEOUT_S)
     if alive:

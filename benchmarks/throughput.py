@@ -227,7 +227,8 @@ def render_report(reports, args):
         ])
     notes = [
         "",
-        f"{args.repeats} alternating repeats per loader, {args.num_workers} workers, "
+        f"{args.repeats} alternating repeat{'s' if args.repeats > 1 else ''} per loader, "
+        f"{args.num_workers} workers, "
         f"batch {args.batch_size}, start method {args.context}; throughput over the batches "
         f"after {warmup_batches(args.num_workers)} warm-up batches "
         f"({'quick' if args.quick else 'full'} run).",

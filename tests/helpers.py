@@ -210,5 +210,4 @@ def shm_names():
 
 def settle():
     """Drop garbage (iterators in reference cycles) before measuring."""
-    for _ in range(3):
-        gc.collect()
+    gc.collect()

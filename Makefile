@@ -1,0 +1,49 @@
+# Set-up and checks. `make test` and `make bench` work on a fresh machine with
+# nothing but Python: they create .venv and install what they need.
+PYTHON ?= python3
+VENV   := .venv
+VPY    := $(VENV)/bin/python
+DEPS   := $(VENV)/.deps-stamp
+CFLAGS_STRICT := FASTLOADER_WERROR=1
+
+.PHONY: all install test bench test-asan leakcheck clean
+
+all: test
+
+$(DEPS): requirements-dev.txt
+	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install -q --disable-pip-version-check -r requirements-dev.txt
+	touch $@
+
+# The extension is always rebuilt with -Wall -Wextra -Werror.
+install: $(DEPS)
+	$(CFLAGS_STRICT) $(VPY) -m pip install -q --disable-pip-version-check \
+		--no-build-isolation --no-deps -e .
+
+test: install
+	$(VPY) -m pytest -q tests
+
+bench: install
+	$(VPY) -m benchmarks.throughput
+
+# AddressSanitizer + UBSan build of the C core; Python itself is not instrumented,
+# so the runtime is preloaded. Leak detection is off here (CPython's own
+# allocations at exit are not ours); see `make leakcheck`.
+ASAN_LIB = $(shell gcc -print-file-name=libasan.so)
+UBSAN_LIB = $(shell gcc -print-file-name=libubsan.so)
+test-asan: $(DEPS)
+	FASTLOADER_SANITIZE=1 $(CFLAGS_STRICT) $(VPY) -m pip install -q \
+		--disable-pip-version-check --no-build-isolation --no-deps -e .
+	LD_PRELOAD="$(ASAN_LIB) $(UBSAN_LIB)" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
+		FASTLOADER_ASAN=1 $(VPY) -m pytest -q -x tests
+	$(MAKE) install
+
+# Valgrind over a loader run and the codec round-trips; prints "definitely lost".
+leakcheck: install
+	PYTHONMALLOC=malloc valgrind --leak-check=full --show-leak-kinds=definite \
+		--errors-for-leak-kinds=definite --error-exitcode=3 \
+		--suppressions=tests/valgrind-python.supp \
+		$(VPY) -m tests.leak_driver
+
+clean:
+	rm -rf build *.egg-info python/fastloader/*.so

@@ -1,0 +1,118 @@
+"""The batch codec on its own: round trips of every supported type, views into
+the encoded buffer, and random or truncated bytes that must raise, never crash."""
+import collections
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import fastloader  # noqa: F401  (registers the codec hooks)
+from fastloader import _core
+from fastloader._codec_hooks import DeferredStack, CODE
+
+Point = collections.namedtuple("Point", "x y")
+
+
+class Custom:
+    def __init__(self, t, label):
+        self.t = t
+        self.label = label
+
+
+def _same(a, b):
+    assert type(a) is type(b), (type(a), type(b))
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert a.requires_grad == b.requires_grad
+        assert a.layout == b.layout
+        if a.layout != torch.strided:
+            a, b = a.to_dense(), b.to_dense()
+        assert torch.equal(a.detach(), b.detach())
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            _same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _same(x, y)
+    elif isinstance(a, Custom):
+        _same(a.t, b.t)
+        _same(a.label, b.label)
+    elif isinstance(a, float) and a != a:
+        assert b != b
+    else:
+        assert a == b
+
+
+SAMPLES = [
+    None, True, False, 0, -1, 2**63 - 1, 2**70, 1.5, float("nan"), "", "héllo \u2603",
+    "\udc80 lone surrogate", b"\x00bytes", [], (), {}, [1, "a", None],
+    {"a": torch.arange(6).reshape(2, 3), 3: (1.0, b"x"), None: [np.int64(4)]},
+    Point(torch.ones(2), "y"), [Point(1, 2), Point(3, 4)],
+    np.arange(10, dtype=np.float32).reshape(2, 5), np.zeros((0, 3)), np.array(5),
+    np.arange(12)[::2], np.float16(2.5), np.bool_(True), np.complex64(1 + 2j),
+    torch.randn(3, 4), torch.randn(4, 3).t(), torch.zeros(0), torch.tensor(7),
+    torch.randn(2, 2).to(torch.bfloat16), torch.tensor([1, 2], dtype=torch.uint16),
+    torch.randn(3, requires_grad=True), (1 + 2j) * torch.ones(2, dtype=torch.complex64).conj(),
+    torch.randn(3).to_sparse(), Custom(torch.arange(3), 9),
+    collections.OrderedDict(a=torch.ones(1)), {"nested": [[[torch.ones(1)]]]},
+]
+
+
+@pytest.mark.parametrize("obj", SAMPLES, ids=[type(s).__name__ + str(i) for i, s in enumerate(SAMPLES)])
+def test_round_trip(obj):
+    _same(obj, _core.decode(_core.encode(obj)))
+
+
+def test_tensors_are_views_of_the_buffer_and_keep_it_alive():
+    batch = {"x": torch.arange(1000, dtype=torch.float64), "y": np.arange(10)}
+    out = _core.decode(_core.encode(batch))
+    x, y = out["x"], out["y"]
+    del out
+    # the array's base chain ends at the owner object, not at a private copy
+    assert y.base is not None and type(y.base).__name__ == "BatchOwner"
+    assert x.untyped_storage().nbytes() == 8000
+    x.add_(1)   # writable, as torch's batches are
+    assert torch.equal(x, torch.arange(1, 1001, dtype=torch.float64))
+
+
+def test_deferred_stack_is_stacked_into_the_buffer():
+    ts = [torch.full((2, 3), float(i)) for i in range(4)]
+    out = _core.decode(_core.encode([DeferredStack(ts, (4, 2, 3), CODE[torch.float32])]))
+    assert torch.equal(out[0], torch.stack(ts))
+
+
+def test_unpicklable_object_names_its_type():
+    with pytest.raises(Exception, match="lambda|local"):
+        _core.encode({"f": lambda: 1})
+
+
+def test_truncated_and_random_bytes_raise_never_crash():
+    rng = random.Random(1234)
+    blobs = [_core.encode(s) for s in SAMPLES if not isinstance(s, Custom)]
+    for blob in blobs:
+        for cut in range(0, len(blob), max(1, len(blob) // 16)):
+            try:
+                _core.decode(blob[:cut])
+            except (ValueError, RuntimeError, TypeError, EOFError, OverflowError,
+                    MemoryError, IndexError, KeyError, AttributeError, UnicodeError,
+                    __import__("pickle").UnpicklingError):
+                pass
+    for _ in range(3000):
+        blob = bytearray(rng.choice(blobs))
+        for _ in range(rng.randint(1, 8)):
+            if blob:
+                blob[rng.randrange(len(blob))] = rng.randrange(256)
+        try:
+            _core.decode(bytes(blob))
+        except Exception:
+            pass
+    for _ in range(500):
+        try:
+            _core.decode(bytes(rng.randrange(256) for _ in range(rng.randint(0, 300))))
+        except Exception:
+            pass
