@@ -446,8 +446,8 @@ take_result(fl_state *st, MainChannelObject *c, const fl_result *r)
         return NULL;
     if (r->kind == FL_RES_BATCH)
         c->n_batches++;
-    return Py_BuildValue("(iLIN)", c->worker_id, (long long)r->seq, (unsigned)r->kind,
-                         payload);
+    return Py_BuildValue("(iLINI)", c->worker_id, (long long)r->seq, (unsigned)r->kind,
+                         payload, (unsigned)r->where);
 }
 
 static double
@@ -553,7 +553,7 @@ fl_recv(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                                          fl_proc_dead(c->pid, c->pidfd)));
                 /* a worker may publish and then die: deliver what it published first */
                 if (dead && fl_res_empty(c->ctl)) {
-                    result = Py_BuildValue("(iLIO)", c->worker_id, -1LL, 0u, Py_None);
+                    result = Py_BuildValue("(iLIOI)", c->worker_id, -1LL, 0u, Py_None, 0u);
                     goto clear_waiting;
                 }
             }
@@ -611,9 +611,9 @@ fl_decode_bytes(PyObject *module, PyObject *arg)
 static PyObject *
 mainchan_stats(MainChannelObject *c, PyObject *Py_UNUSED(ignored))
 {
-    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:I,s:K}", "batches",
-                         (unsigned long long)c->n_batches, "slot_batches",
-                         (unsigned long long)c->n_slot, "overflow_batches",
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:I,s:K}", "received",
+                         (unsigned long long)c->n_batches, "received_in_slots",
+                         (unsigned long long)c->n_slot, "received_in_overflow",
                          (unsigned long long)c->n_overflow, "arenas",
                          (unsigned long long)c->n_arenas, "slots", c->arena_nslots,
                          "slot_size", (unsigned long long)c->arena_slot_size);

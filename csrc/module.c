@@ -85,10 +85,11 @@ decode(PyObject *module, PyObject *arg)
 }
 
 PyDoc_STRVAR(recv_doc,
-"recv(channels, prefer, timeout) -> (worker_id, seq, kind, payload) or None\n--\n\n"
+"recv(channels, prefer, timeout) -> (worker_id, seq, kind, payload, where) or None\n--\n\n"
 "Take the next result from any channel, starting with `prefer`. Waits with the GIL\n"
 "released; wakes on a result, a worker's death (returns seq -1 and kind 0), the\n"
-"timeout in seconds (returns None; timeout None waits forever) and signals.");
+"timeout in seconds (returns None; timeout None waits forever) and signals.\n"
+"`where`: 0 no payload, 1 a ring slot, 2 an overflow segment.");
 
 static PyObject *
 recv(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
@@ -154,6 +155,8 @@ module_exec(PyObject *m)
         {"RES_BATCH", FL_RES_BATCH},       {"RES_ERROR", FL_RES_ERROR},
         {"RES_ITER_END", FL_RES_ITER_END}, {"RES_RESUMED", FL_RES_RESUMED},
         {"RES_DEAD", 0},
+        {"WHERE_NONE", FL_WHERE_NONE},     {"WHERE_SLOT", FL_WHERE_SLOT},
+        {"WHERE_OVERFLOW", FL_WHERE_OVERFLOW},
         {"STRATEGY_FD", FL_STRATEGY_FD},   {"STRATEGY_FS", FL_STRATEGY_FS},
     };
     for (size_t i = 0; i < sizeof(consts) / sizeof(consts[0]); i++)

@@ -23,12 +23,22 @@ def _no_shm_left_behind_by_the_session():
     assert not left, f"named segments left in /dev/shm by the test session: {sorted(left)}"
 
 
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    setattr(item, "_report_" + report.when, report)
+    return report
+
+
 @pytest.fixture(autouse=True)
-def _no_worker_outlives_its_test():
+def _no_worker_outlives_its_test(request):
     """Every worker a test started must be joined (not merely killed: no zombie) once the
     test dropped its loaders."""
     before = helpers.loader_children()
     yield
+    call = getattr(request.node, "_report_call", None)
+    if call is None or call.failed:
+        return  # a failed test's traceback still references its iterator: no extra noise
     helpers.settle()
 
     def new_children():

@@ -12,8 +12,11 @@ from ._codec_hooks import CODE, DeferredStack, exportable
 def _stack_into_slot(batch, *, collate_fn_map=None):
     elem = batch[0]
     if exportable(elem) and not elem.is_nested:
-        shape, dtype = elem.shape, elem.dtype
-        if all(exportable(t) and t.shape == shape and t.dtype == dtype for t in batch):
+        shape, dtype, tensor = elem.shape, elem.dtype, torch.Tensor
+        # Cheap checks per sample (this runs for every sample of every batch); a
+        # sample on another device or layout makes torch.stack raise when filling,
+        # and that error reaches the main process like any other.
+        if all(type(t) is tensor and t.dtype == dtype and t.shape == shape for t in batch):
             return DeferredStack(list(batch), (len(batch), *shape), CODE[dtype])
     # Anything unusual (subclasses, mixed shapes or dtypes) takes torch's own path,
     # which also raises torch's own errors.

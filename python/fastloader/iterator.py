@@ -54,6 +54,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             task_capacity=max(1 << 20, 4 * max_tasks * _task_bytes_estimate(loader)),
             result_capacity=max_tasks + 2)
         self._channels = self._pool.channel_tuple
+        self._delivered = [0, 0, 0]   # batches handed out, by where they travelled
         self._reset(loader, first_iter=True)
 
     # -- introspection -----------------------------------------------------------
@@ -66,11 +67,12 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         return [a for a in (ch.arena() for ch in self._channels) if a is not None]
 
     def stats(self):
-        per = [ch.stats() for ch in self._channels]
-        out = {k: sum(s[k] for s in per) for k in ("batches", "slot_batches",
-                                                  "overflow_batches", "arenas")}
-        out["workers"] = per
-        return out
+        """Batches delivered to the consumer (by transport: ring slot or overflow
+        segment) and, per worker, what the ring carried."""
+        none, slot, overflow = self._delivered
+        return {"batches": none + slot + overflow, "slot_batches": slot + none,
+                "overflow_batches": overflow,
+                "workers": [ch.stats() for ch in self._channels]}
 
     # -- epoch control -------------------------------------------------------------
     def _reset(self, loader, first_iter=False):
@@ -87,7 +89,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
                 ch.put_task(_core.TASK_RESUME, -1)
             waiting = self._num_workers
             while waiting > 0:
-                _wid, seq, kind, _data = self._get_data()
+                _wid, seq, kind, _data, _where = self._get_data()
                 if kind == _core.RES_RESUMED:
                     waiting -= 1
                 # anything else is left over from an abandoned epoch: dropped
@@ -100,7 +102,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         got = _core.recv(self._channels, prefer, timeout)
         if got is None:
             raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
-        wid, seq, kind, data = got
+        wid, seq, kind, data, where = got
         if kind == _core.RES_DEAD:
             message = self._pool.death_message(wid)
             self._shutdown_workers()
@@ -123,11 +125,11 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
                 raise StopIteration
 
             if len(self._task_info[self._rcvd_idx]) == 2:
-                worker_id, data = self._task_info.pop(self._rcvd_idx)
+                worker_id, (data, where) = self._task_info.pop(self._rcvd_idx)
                 self._rcvd_idx += 1
-                return self._process_data(data, worker_id)
+                return self._process_data(data, worker_id, where)
 
-            wid, seq, kind, data = self._get_data()
+            wid, seq, kind, data, where = self._get_data()
             if kind == _core.RES_RESUMED:
                 continue
             self._tasks_outstanding -= 1
@@ -143,12 +145,12 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             if seq != self._rcvd_idx:
                 if not self._in_order:
                     self._task_info.pop(seq)
-                    return self._process_data(data, wid)
-                self._task_info[seq] += (data,)
+                    return self._process_data(data, wid, where)
+                self._task_info[seq] += ((data, where),)
             else:
                 self._task_info.pop(seq)
                 self._rcvd_idx += 1
-                return self._process_data(data, wid)
+                return self._process_data(data, wid, where)
 
     def _try_put_index(self):
         max_tasks = self._prefetch_factor * self._num_workers
@@ -177,8 +179,9 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         self._tasks_outstanding += 1
         self._send_idx += 1
 
-    def _process_data(self, data, worker_idx):
+    def _process_data(self, data, worker_idx, where):
         self._workers_num_tasks[worker_idx] -= 1
+        self._delivered[where] += 1
         self._try_put_index()
         if isinstance(data, ExceptionWrapper):
             data.reraise()

@@ -166,4 +166,8 @@ def _serve(spec, chan):
             chan.publish(rkind, seq, data)
         except (pickle.PicklingError, TypeError, AttributeError) as exc:
             chan.publish(_core.RES_ERROR, seq, _unencodable(wid, seq, index, data, exc))
+        except Exception:
+            # e.g. stacking into the slot failed, or no memory for a segment: the
+            # main process re-raises it with this worker's traceback
+            chan.publish(_core.RES_ERROR, seq, _wrap_exception(wid, seq, index))
         del data
