@@ -104,8 +104,10 @@ workerchan_dealloc(WorkerChannelObject *w)
     if (w->arena)
         munmap(w->arena, w->arena_size);
     PyMem_RawFree(w->busy);
-    if (w->ctl)
+    if (w->ctl) {
+        fl_worker_disarm(w->ctl);
         munmap(w->ctl, w->ctl_size);
+    }
     if (w->main_pidfd >= 0)
         close(w->main_pidfd);
     tp->tp_free(w);

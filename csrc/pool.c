@@ -65,6 +65,14 @@ static char g_prefix[200];
 static int g_main_pidfd = -1;
 static pid_t g_main_pid;
 static volatile sig_atomic_t g_cleaning;
+static int g_armed;
+
+void
+fl_worker_disarm(fl_ctl *ctl)
+{
+    if (g_ctl == ctl)
+        g_ctl = NULL;   /* its mapping is going away */
+}
 
 void
 fl_worker_unlink_pending(void)
@@ -141,6 +149,9 @@ fl_worker_arm(fl_ctl *ctl, const char *seg_prefix, pid_t main_pid, int *err)
         }
         memcpy(g_prefix, seg_prefix, n + 1);
     }
+    if (g_armed)
+        return FL_OK;   /* one watchdog per process, whatever the channel count */
+    g_armed = 1;
     int dummy;
     g_main_pidfd = fl_pidfd_open(main_pid, &dummy);
 

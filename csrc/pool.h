@@ -13,6 +13,8 @@ int fl_proc_dead(pid_t pid, int pidfd);
 
 /* Worker side: remember what to clean up and arm PDEATHSIG and the watchdog. */
 int fl_worker_arm(fl_ctl *ctl, const char *seg_prefix, pid_t main_pid, int *err);
+/* Forget `ctl` before it is unmapped. */
+void fl_worker_disarm(fl_ctl *ctl);
 /* Unlink this worker's not-yet-unlinked named segments. Async-signal-safe. */
 void fl_worker_unlink_pending(void);
 

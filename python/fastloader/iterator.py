@@ -99,7 +99,13 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
     def _get_data(self):
         timeout = self._timeout if self._timeout > 0 else None
         prefer = self._task_info.get(self._rcvd_idx, (0,))[0]
-        got = _core.recv(self._channels, prefer, timeout)
+        try:
+            got = _core.recv(self._channels, prefer, timeout)
+        except KeyboardInterrupt:
+            # Ctrl-C: stop the workers now (briefly let idle ones exit by
+            # themselves, terminate busy ones) so the program can exit at once.
+            self._shutdown_workers(grace=0.5)
+            raise
         if got is None:
             raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
         wid, seq, kind, data, where = got
@@ -194,13 +200,13 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         self._workers_status[worker_id] = False
 
     # -- shutdown ---------------------------------------------------------------------
-    def _shutdown_workers(self):
+    def _shutdown_workers(self, grace=5.0):
         if self._shutdown:
             return
         self._shutdown = True
         pool = self._pool
         if pool is not None:
-            pool.shutdown()
+            pool.shutdown(timeout=grace)
 
     def __del__(self):
         try:

@@ -67,6 +67,27 @@ def _fd_arg(fd: int):
     return _Fd(fd) if fd >= 0 else -1
 
 
+def _quiet_sigint():
+    """Start children with SIGINT ignored (the disposition survives fork and
+    exec, and a forkserver started now passes it on), so a Ctrl-C during a
+    worker's start-up cannot print tracebacks from half-imported modules: the main
+    process handles Ctrl-C and stops the workers. SIGINT is also blocked here
+    meanwhile, so a Ctrl-C meant for us stays pending instead of being dropped."""
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    old_handler = None
+    if threading.current_thread() is threading.main_thread():
+        current = signal.getsignal(signal.SIGINT)
+        if current is not None:   # None: a handler installed outside Python
+            old_handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return old_mask, old_handler
+
+
+def _restore_sigint(old_mask, old_handler):
+    if old_handler is not None:
+        signal.signal(signal.SIGINT, old_handler)
+    signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+
 class WorkerPool:
     def __init__(self, context, specs, strategy: int, task_capacity: int,
                  result_capacity: int):
@@ -93,6 +114,7 @@ class WorkerPool:
         fds = (_fd_arg(h["ctl_fd"]), _fd_arg(h["efd_main"]), _fd_arg(h["efd_worker"]),
                _fd_arg(h["sock"]))
         proc = context.Process(target=worker_main, args=(spec, h, fds), daemon=True)
+        old_mask, old_handler = _quiet_sigint()
         try:
             proc.start()
         except Exception as exc:
@@ -104,6 +126,8 @@ class WorkerPool:
                     f"collate_fn, worker_init_fn) must be picklable under the "
                     f"'{context.get_start_method()}' start method") from exc
             raise
+        finally:
+            _restore_sigint(old_mask, old_handler)
         self.procs.append(proc)
         ch.started(proc.pid)
         MAIN_FDS.update(ch.main_fds())

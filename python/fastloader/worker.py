@@ -98,6 +98,7 @@ def worker_main(spec, handle, fds):
     # Ctrl-C goes to the whole process group; the main process handles it and
     # shuts us down, so a worker must not print a KeyboardInterrupt traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked for start-up
     ctl_fd, efd_main, efd_worker, sock = (f.detach() if hasattr(f, "detach") else f
                                           for f in fds)
     _close_inherited_fds({ctl_fd, efd_main, efd_worker, sock})
