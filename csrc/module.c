@@ -3,6 +3,7 @@
 #define PY_ARRAY_UNIQUE_SYMBOL fastloader_ARRAY_API
 #include "objects.h"
 #include "codec.h"
+#include "packed.h"
 #include "ring.h"
 #include <numpy/arrayobject.h>
 
@@ -162,7 +163,7 @@ module_exec(PyObject *m)
     for (size_t i = 0; i < sizeof(consts) / sizeof(consts[0]); i++)
         if (PyModule_AddIntConstant(m, consts[i].name, consts[i].v) < 0)
             return -1;
-    return 0;
+    return fl_packed_init(m);
 }
 
 static int

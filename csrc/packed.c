@@ -1,0 +1,8 @@
+#include "packed.h"
+
+int
+fl_packed_init(PyObject *module)
+{
+    (void)module;
+    return 0;
+}
