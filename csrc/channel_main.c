@@ -396,6 +396,7 @@ take_result(fl_state *st, MainChannelObject *c, const fl_result *r)
             c->arena_slot_size = r->slot_size;
             c->arena_nslots = r->nslots;
             c->n_arenas++;
+            c->held = 0;
         }
         if (r->slot >= c->arena_nslots || r->nbytes > c->arena_slot_size)
             return fl_raise(FL_CORRUPT, 0, "receiving a batch");
@@ -409,6 +410,7 @@ take_result(fl_state *st, MainChannelObject *c, const fl_result *r)
         o->pid = getpid();
         PyObject_GC_Track(o);
         owner_obj = (PyObject *)o;
+        c->held++;
         payload = fl_decode(st, (uint8_t *)c->arena->addr + r->slot * c->arena_slot_size,
                             r->nbytes, owner_obj);
         c->n_slot++;
@@ -611,12 +613,21 @@ fl_decode_bytes(PyObject *module, PyObject *arg)
 static PyObject *
 mainchan_stats(MainChannelObject *c, PyObject *Py_UNUSED(ignored))
 {
-    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:I,s:K}", "received",
-                         (unsigned long long)c->n_batches, "received_in_slots",
-                         (unsigned long long)c->n_slot, "received_in_overflow",
-                         (unsigned long long)c->n_overflow, "arenas",
-                         (unsigned long long)c->n_arenas, "slots", c->arena_nslots,
-                         "slot_size", (unsigned long long)c->arena_slot_size);
+    uint64_t busy = 0, idle = 0, published = 0, overflowed = 0;
+    if (c->ctl != NULL) {
+        busy = atomic_load(&c->ctl->busy_ns);
+        idle = atomic_load(&c->ctl->idle_ns);
+        published = atomic_load(&c->ctl->published);
+        overflowed = atomic_load(&c->ctl->overflowed);
+    }
+    return Py_BuildValue(
+        "{s:K,s:K,s:K,s:K,s:I,s:K,s:K,s:d,s:d,s:K,s:K}", "received",
+        (unsigned long long)c->n_batches, "received_in_slots", (unsigned long long)c->n_slot,
+        "received_in_overflow", (unsigned long long)c->n_overflow, "arenas",
+        (unsigned long long)c->n_arenas, "slots", c->arena_nslots, "slot_size",
+        (unsigned long long)c->arena_slot_size, "slots_held", (unsigned long long)c->held,
+        "busy_s", (double)busy * 1e-9, "idle_s", (double)idle * 1e-9, "published",
+        (unsigned long long)published, "overflow_segments", (unsigned long long)overflowed);
 }
 
 static PyObject *

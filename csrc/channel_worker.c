@@ -15,6 +15,7 @@
 #include <poll.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <time.h>
 #include <unistd.h>
 
 typedef struct {
@@ -187,9 +188,21 @@ PyDoc_STRVAR(workerchan_get_task_doc,
 "get_task() -> (kind, seq, index) or None\n--\n\n"
 "Wait for the next task (GIL released). None: the main process is gone.");
 
+static uint64_t
+mono_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
 static PyObject *
 workerchan_get_task(WorkerChannelObject *w, PyObject *Py_UNUSED(ignored))
 {
+    uint64_t entered = mono_ns();
+    if (w->last_task_ns)
+        atomic_fetch_add_explicit(&w->ctl->busy_ns, entered - w->last_task_ns,
+                                  memory_order_relaxed);
     for (;;) {
         fl_task_hdr h;
         const uint8_t *p;
@@ -199,6 +212,9 @@ workerchan_get_task(WorkerChannelObject *w, PyObject *Py_UNUSED(ignored))
         if (got) {
             PyObject *idx = task_to_python(&h, p);
             fl_task_pop(w->ctl, &h);
+            w->last_task_ns = mono_ns();
+            atomic_fetch_add_explicit(&w->ctl->idle_ns, w->last_task_ns - entered,
+                                      memory_order_relaxed);
             if (idx == NULL)
                 return NULL;
             return Py_BuildValue("(ILN)", (unsigned)h.kind, (long long)h.seq, idx);
@@ -401,6 +417,7 @@ workerchan_publish(WorkerChannelObject *w, PyObject *args)
         r.where = FL_WHERE_OVERFLOW;
         r.seg = ovf_id;
         w->n_overflow++;
+        atomic_fetch_add_explicit(&w->ctl->overflowed, 1, memory_order_relaxed);
     }
     r.nbytes = need;
     code = push_result(w, &r);
@@ -409,6 +426,7 @@ workerchan_publish(WorkerChannelObject *w, PyObject *args)
         goto done;
     }
     w->n_published++;
+    atomic_fetch_add_explicit(&w->ctl->published, 1, memory_order_relaxed);
     ret = Py_NewRef(Py_None);
 done:
     if (ovf != NULL)

@@ -51,6 +51,7 @@ struct MainChannelObject {
     uint64_t arena_slot_size;
     uint32_t arena_nslots;
     uint64_t n_batches, n_slot, n_overflow, n_arenas;
+    uint64_t held;       /* slots of the current arena the consumer still holds */
 };
 
 typedef struct {
@@ -70,6 +71,7 @@ typedef struct {
     uint64_t arena_seg;
     uint8_t *busy;
     uint64_t n_published, n_overflow, n_arenas;
+    uint64_t last_task_ns;   /* when get_task last returned: busy time starts */
 } WorkerChannelObject;
 
 extern PyType_Spec fl_segment_spec;

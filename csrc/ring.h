@@ -77,6 +77,11 @@ typedef struct {
      * process; a worker cleaning up after the main process died unlinks the rest. */
     _Alignas(FL_CL) _Atomic uint64_t unlinked_upto;
     _Atomic uint64_t next_seg_id;
+    /* written by the worker, read by the main process for loader.stats() */
+    _Alignas(FL_CL) _Atomic uint64_t busy_ns;     /* from taking a task to asking again */
+    _Atomic uint64_t idle_ns;                      /* waiting for a task */
+    _Atomic uint64_t published;
+    _Atomic uint64_t overflowed;
 } fl_ctl;
 
 size_t fl_ctl_layout(uint64_t task_cap, uint32_t res_cap, uint32_t free_cap);

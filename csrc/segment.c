@@ -73,8 +73,11 @@ owner_dealloc(OwnerObject *o)
     /* Hand the slot back only in the process that received it, while the worker
      * still runs; the ring is lock-free, and deallocations are serialised by the GIL. */
     if (c != NULL && !c->closed && o->pid == getpid() && c->ctl != NULL &&
-        o->slot != UINT32_MAX)
+        o->slot != UINT32_MAX) {
         (void)fl_free_push(c->ctl, ((uint64_t)o->gen << 32) | o->slot);
+        if (o->gen == c->arena_gen && c->held > 0)
+            c->held--;
+    }
     Py_CLEAR(o->seg);
     Py_CLEAR(o->chan);
     tp->tp_free(o);

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import inspect
+import weakref
 
 from torch.utils.data import DataLoader as _TorchDataLoader
 
@@ -43,7 +44,20 @@ class DataLoader(_TorchDataLoader):
         if self.num_workers == 0:
             return super()._get_iterator()
         self.check_worker_number_rationality()
-        return FastMultiProcessingIter(self)
+        it = FastMultiProcessingIter(self)
+        # torch's __setattr__ guards some names after init; this one is ours
+        object.__setattr__(self, "_fl_last_iterator", weakref.ref(it))
+        return it
+
+    def stats(self, memory=True):
+        """Statistics of this loader's current (or last) epoch with workers: batches
+        delivered, time the main process waited for data and its share of the
+        epoch (the data stall), and per worker: batches, busy/idle time, ring
+        occupancy, overflow segments, USS/PSS. None before the first epoch, or
+        with num_workers=0."""
+        ref = self.__dict__.get("_fl_last_iterator")
+        it = ref() if ref is not None else None
+        return None if it is None else it.stats(memory=memory)
 
 
 def _signature():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 import pickle
-import warnings
+import time
 
 import torch
 from torch._utils import ExceptionWrapper
@@ -17,6 +17,7 @@ from torch.utils.data._utils import pin_memory as _pin
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from . import _core
+from . import stats as _stats
 from .pool import STRATEGIES, WorkerPool, WorkerSpec
 
 # Slots per worker beyond its prefetched batches: the one the consumer holds, the
@@ -30,6 +31,9 @@ def _task_bytes_estimate(loader) -> int:
 
 
 class FastMultiProcessingIter(_BaseDataLoaderIter):
+    _clock = staticmethod(time.perf_counter)
+    _epoch = 0
+
     def __init__(self, loader):
         super().__init__(loader)
         if self._num_workers <= 0:
@@ -54,7 +58,6 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             task_capacity=max(1 << 20, 4 * max_tasks * _task_bytes_estimate(loader)),
             result_capacity=max_tasks + 2)
         self._channels = self._pool.channel_tuple
-        self._delivered = [0, 0, 0]   # batches handed out, by where they travelled
         self._reset(loader, first_iter=True)
 
     # -- introspection -----------------------------------------------------------
@@ -66,17 +69,20 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         """(address, nbytes) of the ring arenas mapped in this process."""
         return [a for a in (ch.arena() for ch in self._channels) if a is not None]
 
-    def stats(self):
-        """Batches delivered to the consumer (by transport: ring slot or overflow
-        segment) and, per worker, what the ring carried."""
-        none, slot, overflow = self._delivered
-        return {"batches": none + slot + overflow, "slot_batches": slot + none,
-                "overflow_batches": overflow,
-                "workers": [ch.stats() for ch in self._channels]}
+    def stats(self, memory=True):
+        """This epoch so far: batches delivered (by transport), time waited for
+        data, and per worker: batches, busy/idle time, ring occupancy, USS/PSS."""
+        return _stats.collect(self, memory=memory)
 
     # -- epoch control -------------------------------------------------------------
     def _reset(self, loader, first_iter=False):
         super()._reset(loader, first_iter)
+        self._epoch += 1
+        self._epoch_started = self._clock()
+        self._wait_s = 0.0
+        self._delivered = [0, 0, 0]   # batches handed out, by where they travelled
+        self._delivered_by_worker = [0] * self._num_workers
+        self._stats_printed = False
         self._send_idx = 0
         self._rcvd_idx = 0
         self._task_info = {}
@@ -99,8 +105,10 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
     def _get_data(self):
         timeout = self._timeout if self._timeout > 0 else None
         prefer = self._task_info.get(self._rcvd_idx, (0,))[0]
+        started = self._clock()
         try:
             got = _core.recv(self._channels, prefer, timeout)
+            self._wait_s += self._clock() - started
         except KeyboardInterrupt:
             # Ctrl-C: stop the workers now (briefly let idle ones exit by
             # themselves, terminate busy ones) so the program can exit at once.
@@ -126,6 +134,9 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
                     del self._task_info[self._rcvd_idx]
                 self._rcvd_idx += 1
             else:
+                if _stats.enabled() and not self._stats_printed:
+                    self._stats_printed = True
+                    _stats.print_summary(self)
                 if not self._persistent_workers:
                     self._shutdown_workers()
                 raise StopIteration
@@ -188,6 +199,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
     def _process_data(self, data, worker_idx, where):
         self._workers_num_tasks[worker_idx] -= 1
         self._delivered[where] += 1
+        self._delivered_by_worker[worker_idx] += 1
         self._try_put_index()
         if isinstance(data, ExceptionWrapper):
             data.reraise()
