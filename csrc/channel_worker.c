@@ -370,12 +370,14 @@ workerchan_publish(WorkerChannelObject *w, PyObject *args)
     drain_frees(w);
     if (w->arena == NULL || need > w->slot_size) {
         code = new_arena(w, need, &err);
-        if (code == FL_FULL)
-            code = FL_OK;   /* too big for any arena: overflow below */
-        else if (code != FL_OK) {
-            fl_raise(code, err, "creating the ring arena");
+        /* FL_FULL: too big for any arena. Anything else (no memory for a whole
+         * arena): this batch still gets a segment of its own size below, and a
+         * failure there is what the user sees. */
+        if (code != FL_OK && code != FL_FULL && code != FL_ERRNO) {
+            fl_raise(code, err, "creating a ring arena");
             goto done;
         }
+        code = FL_OK;
     }
     uint32_t slot = UINT32_MAX;
     if (w->arena != NULL && need <= w->slot_size) {
