@@ -248,7 +248,7 @@ mainchan_put_index(MainChannelObject *c, PyObject *const *args, Py_ssize_t nargs
     uint8_t *p;
     if (seq == -1 && PyErr_Occurred())
         return NULL;
-    if (c->closed)
+    if (c->closed || c->owner_pid != getpid())
         return PyErr_Format(PyExc_ValueError, "fastloader: channel is closed");
     if (PyLong_CheckExact(idx)) {
         int ovf;
@@ -313,7 +313,7 @@ mainchan_put_task(MainChannelObject *c, PyObject *args)
     uint8_t *p;
     if (!PyArg_ParseTuple(args, "IL|y*", &kind, &seq, &buf))
         return NULL;
-    if (c->closed) {
+    if (c->closed || c->owner_pid != getpid()) {
         PyBuffer_Release(&buf);
         return PyErr_Format(PyExc_ValueError, "fastloader: channel is closed");
     }
@@ -482,7 +482,7 @@ fl_recv(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyObject *o = PyTuple_GET_ITEM(chans, i);
         if (Py_TYPE(o) != st->MainChannelType)
             return PyErr_Format(PyExc_TypeError, "recv: expected MainChannel objects");
-        if (((MainChannelObject *)o)->closed)
+        if (((MainChannelObject *)o)->closed || ((MainChannelObject *)o)->owner_pid != getpid())
             return PyErr_Format(PyExc_ValueError, "fastloader: channel is closed");
     }
     if (prefer < 0 || prefer >= n)

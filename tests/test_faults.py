@@ -178,7 +178,7 @@ def test_worker_dies_by_itself(how, cause, strategy):
 # ---- timeouts, Ctrl-C, unencodable samples, forking with busy threads ------------------
 
 def test_timeout_exceeded_names_the_timeout():
-    loader = DataLoader(ds.SleepAtDataset(at=0, seconds=4), batch_size=1, num_workers=1,
+    loader = DataLoader(ds.SleepAtDataset(at=0, seconds=3), batch_size=1, num_workers=1,
                         timeout=1, multiprocessing_context="fork")
     with deadline(20), pytest.raises(RuntimeError) as info:
         next(iter(loader))
@@ -211,7 +211,7 @@ def test_ctrl_c_while_waiting_for_a_batch():
 def test_unencodable_sample_names_the_type():
     loader = DataLoader(ds.LockDataset(), batch_size=2, num_workers=1,
                         collate_fn=ds.list_collate, multiprocessing_context="fork")
-    with deadline(20), pytest.raises(Exception) as info:
+    with deadline(10), pytest.raises(Exception) as info:
         next(iter(loader))
     assert "lock" in str(info.value).lower(), str(info.value)
 

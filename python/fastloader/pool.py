@@ -91,9 +91,11 @@ def _restore_sigint(old_mask, old_handler):
 class WorkerPool:
     def __init__(self, context, specs, strategy: int, task_capacity: int,
                  result_capacity: int):
-        self.prefix = f"fastloader-{os.getpid()}-{uuid.uuid4().hex[:10]}"
+        self.owner_pid = os.getpid()
+        self.prefix = f"fastloader-{self.owner_pid}-{uuid.uuid4().hex[:10]}"
         self.channels: list = []
         self.procs: list = []
+        self._pids: list = []
         self._closed = False
         with _LIVE_LOCK:
             _LIVE_POOLS.add(self)
@@ -129,18 +131,19 @@ class WorkerPool:
         finally:
             _restore_sigint(old_mask, old_handler)
         self.procs.append(proc)
+        self._pids.append(proc.pid)
         ch.started(proc.pid)
         MAIN_FDS.update(ch.main_fds())
 
     @property
     def pids(self):
-        return [p.pid for p in self.procs]
+        return list(self._pids)
 
     def death_message(self, worker_id: int) -> str:
         proc = self.procs[worker_id]
         proc.join(timeout=2.0)
         code = proc.exitcode
-        head = f"DataLoader worker {worker_id} (pid {proc.pid})"
+        head = f"DataLoader worker {worker_id} (pid {self._pids[worker_id]})"
         if code is None:
             return f"{head} exited unexpectedly"
         if code < 0:
@@ -159,13 +162,17 @@ class WorkerPool:
     def stop_worker(self, worker_id: int):
         """Ask one worker to exit (its iterable replica is exhausted); its exit is
         then expected, not a failure."""
+        if os.getpid() != self.owner_pid:
+            return
         ch = self.channels[worker_id]
         ch.watch = False
         if not ch.closed:
             ch.put_task(_core.TASK_SHUTDOWN, -1)
 
     def shutdown(self, timeout: float = 5.0):
-        if self._closed:
+        # A forked worker holds a copy of this object; if its garbage collector
+        # ever reaches it, it must not stop its siblings.
+        if self._closed or os.getpid() != self.owner_pid:
             return
         self._closed = True
         import time

@@ -1,0 +1,238 @@
+"""`python -m fastloader doctor`: the report has every field, stale /dev/shm segments are
+found, and `--clean` removes exactly the stale ones the user owns, nothing else."""
+import json
+import mmap
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import fastloader
+from fastloader import doctor
+from fastloader.dataloader import _DEFAULT_STRATEGY
+
+SHM = "/dev/shm"
+# Every field a machine reading `--json` may rely on, section by section.
+FIELDS = {
+    "versions": {"fastloader", "torch", "torch_cuda", "numpy", "python", "platform"},
+    "cpus": {"count", "affinity"},
+    "sharing": {"torch_strategy", "torch_strategies", "fastloader_default", "memfd_supported",
+                "memfd_error", "fd_limit_soft", "fd_limit_hard", "open_fds"},
+    "dev_shm": {"path", "exists", "size_bytes", "free_bytes", "usable", "error", "segments",
+                "other_files", "other_bytes", "cleaned"},
+    "start_methods": {"available", "default", "default_set_explicitly", "cuda_initialized",
+                      "pitfalls"},
+    "selftest": {"skipped", "method_timeout_s", "results"},
+}
+SEGMENT_FIELDS = {"name", "kind", "pid", "uid", "mine", "size_bytes", "used_bytes", "mtime",
+                  "inode", "stale", "reason"}
+RESULT_FIELDS = {"method", "ok", "first_batch_s", "total_s", "error"}
+
+
+def run_doctor(env, *args, timeout=55):
+    # -W error: the doctor itself must not emit a single warning.
+    return subprocess.run([sys.executable, "-W", "error", "-m", "fastloader", "doctor", *args],
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def run_doctor_json(env, *args):
+    result = run_doctor(env, "--json", *args)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stderr == "", result.stderr
+    return json.loads(result.stdout)
+
+
+def dead_pid():
+    """A pid no process has now (searched from the top, where pids are handed out last)."""
+    with open("/proc/sys/kernel/pid_max") as f:
+        pid_max = int(f.read())
+    for pid in range(pid_max - 1, 300, -1):
+        if not os.path.exists(f"/proc/{pid}"):
+            return pid
+    raise RuntimeError("no free pid")
+
+
+def plant(name):
+    path = os.path.join(SHM, name)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    os.ftruncate(fd, 4096)
+    return path, fd
+
+
+def segments_by_name(report):
+    return {s["name"]: s for s in report["dev_shm"]["segments"]}
+
+
+# ---- the report ------------------------------------------------------------------------
+
+def test_json_report_in_a_fresh_process_has_every_field(subprocess_env):
+    started = time.monotonic()
+    report = run_doctor_json(subprocess_env)
+    elapsed = time.monotonic() - started
+
+    for section, fields in FIELDS.items():
+        assert set(report[section]) >= fields, (section, fields - set(report[section]))
+    assert {"findings", "status"} <= set(report)
+    assert report["status"] in ("ok", "warning"), report["findings"]
+
+    assert report["versions"]["fastloader"] == fastloader.__version__
+    assert report["versions"]["torch"] == torch.__version__
+    assert report["versions"]["python"] == "%d.%d.%d" % sys.version_info[:3]
+    assert report["cpus"]["count"] == os.cpu_count()
+    assert report["cpus"]["affinity"] == sorted(os.sched_getaffinity(0))
+    sharing = report["sharing"]
+    assert sharing["torch_strategy"] == torch.multiprocessing.get_sharing_strategy()
+    assert sharing["fastloader_default"] == _DEFAULT_STRATEGY
+    assert sharing["memfd_supported"] is True, sharing["memfd_error"]
+    assert isinstance(sharing["open_fds"], int) and sharing["open_fds"] >= 3
+    assert report["dev_shm"]["usable"] is True, report["dev_shm"]["error"]
+    for seg in report["dev_shm"]["segments"]:
+        assert set(seg) >= SEGMENT_FIELDS
+
+    methods = multiprocessing.get_all_start_methods()
+    assert report["start_methods"]["available"] == methods
+    assert report["start_methods"]["default"] in methods
+    assert set(report["start_methods"]["pitfalls"]) == set(methods)
+
+    results = report["selftest"]["results"]
+    assert report["selftest"]["skipped"] is False
+    assert [r["method"] for r in results] == methods
+    for r in results:
+        assert set(r) >= RESULT_FIELDS
+        assert r["ok"], r
+        assert 0 < r["first_batch_s"] <= r["total_s"] < doctor.SELFTEST_METHOD_TIMEOUT_S + 5, r
+    assert elapsed < 50
+
+
+def test_text_report_reads_as_sections(subprocess_env):
+    result = run_doctor(subprocess_env, "--no-selftest")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stderr == ""
+    text = result.stdout
+    for heading in ("Versions", "CPUs", "Sharing", "/dev/shm", "Start methods", "Self-test"):
+        assert f"\n{heading}" in text, heading
+    assert "ulimit -n" in text and "memfd" in text
+    assert text.rstrip().splitlines()[-1] in ("Status: OK", "Status: WARNING")
+
+
+def test_unknown_command_is_a_usage_error(subprocess_env):
+    result = subprocess.run([sys.executable, "-m", "fastloader", "frobnicate"],
+                            env=subprocess_env, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2 and "doctor" in result.stderr
+
+
+# ---- stale segments and --clean --------------------------------------------------------
+
+def test_stale_segments_found_and_only_they_cleaned(subprocess_env, tmp_path):
+    dead = dead_pid()
+    stale = f"fastloader-{dead}-deadbeef-w0-s0"
+    stale_torch = f"torch_{dead}_123456_0"
+    live = f"fastloader-{os.getpid()}-deadbeef-w0-s0"
+    # Creator gone, but a live process (this one) still maps it: in use, not garbage.
+    mapped = f"torch_{dead}_654321_0"
+    # Named like a segment but a symlink: --clean must never follow or remove it.
+    link = f"fastloader-{dead}-cafe-w0-s0"
+    foreign = f"fastloader-{dead}-f00d-w0-s0"   # stale, but another user's (root only)
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    paths, fds, views = [], [], []
+    try:
+        for name in (stale, stale_torch, live, mapped):
+            path, fd = plant(name)
+            paths.append(path)
+            fds.append(fd)
+        views.append(mmap.mmap(fds[3], 4096))
+        for fd in fds:
+            os.close(fd)
+        fds.clear()
+        os.symlink(victim, os.path.join(SHM, link))
+        paths.append(os.path.join(SHM, link))
+        if os.geteuid() == 0:
+            path, fd = plant(foreign)
+            os.close(fd)
+            paths.append(path)
+            os.chown(path, 65534, 65534)
+
+        before = segments_by_name(run_doctor_json(subprocess_env, "--no-selftest"))
+        assert before[stale]["stale"] and before[stale]["mine"], before[stale]
+        assert before[stale]["kind"] == "fastloader" and before[stale]["pid"] == dead
+        assert before[stale_torch]["stale"] and before[stale_torch]["kind"] == "torch"
+        assert not before[live]["stale"], before[live]
+        assert not before[mapped]["stale"], before[mapped]
+        assert str(os.getpid()) in before[mapped]["reason"]
+        assert link not in before
+        if os.geteuid() == 0:
+            assert before[foreign]["stale"] and not before[foreign]["mine"]
+
+        report = run_doctor_json(subprocess_env, "--no-selftest", "--clean")
+        removed = set(report["dev_shm"]["cleaned"]["removed"])
+        assert {stale, stale_torch} <= removed
+        assert not removed & {live, mapped, link, foreign}
+        assert not os.path.exists(os.path.join(SHM, stale))
+        assert not os.path.exists(os.path.join(SHM, stale_torch))
+        for name in (live, mapped, link) + ((foreign,) if os.geteuid() == 0 else ()):
+            assert os.path.lexists(os.path.join(SHM, name)), f"{name} was removed"
+        assert victim.read_text() == "keep me"
+        after = segments_by_name(report)
+        assert stale not in after and live in after
+        if os.geteuid() == 0:
+            assert any("other users" in f["message"] for f in report["findings"])
+    finally:
+        for view in views:
+            view.close()
+        for fd in fds:
+            os.close(fd)
+        for path in paths:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+
+def test_reused_pid_makes_a_segment_stale():
+    """A pid that runs now but started after the segment was written is another process."""
+    started = doctor.process_start_time(os.getpid())
+    assert started is not None and started <= time.time() + 2
+    assert doctor.owner_state(os.getpid(), time.time())[0]
+    alive, why = doctor.owner_state(os.getpid(), started - 3600)
+    assert not alive and "started after" in why
+    alive, why = doctor.owner_state(dead_pid(), time.time())
+    assert not alive and "no longer exists" in why
+
+
+# ---- exit status and failure reporting -------------------------------------------------
+
+def test_exit_status_nonzero_when_no_shared_memory_works(monkeypatch, capsys):
+    monkeypatch.setattr(doctor, "probe_memfd", lambda: (False, "memfd_create: blocked"))
+    monkeypatch.setattr(doctor, "probe_shm_dir", lambda shm_dir=SHM: (False, "read-only"))
+    assert doctor.main(["--json", "--no-selftest"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["status"] == "error"
+    assert any(f["level"] == "error" and f["topic"] == "sharing" for f in report["findings"])
+
+
+def test_healthy_machine_exits_zero(capsys):
+    assert doctor.main(["--no-selftest"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith(("Status: OK", "Status: WARNING"))
+
+
+def test_selftest_crash_is_reported_not_raised():
+    out = "\n".join([json.dumps({"method": "fork", "event": "start"}),
+                     json.dumps({"method": "fork", "event": "done", "ok": True,
+                                 "first_batch_s": 0.1, "total_s": 0.2, "error": None}),
+                     json.dumps({"method": "spawn", "event": "start"})])
+    results = doctor._selftest_results(["fork", "spawn", "forkserver"], out,
+                                       "Fatal Python error: Segmentation fault", -11)
+    assert [r["ok"] for r in results] == [True, False, False]
+    assert "SIGSEGV during it" in results[1]["error"]
+    assert "Segmentation fault" in results[1]["error"]
+    assert results[2]["error"].startswith("not run")
+
+
+@pytest.mark.parametrize("cpus, text", [([0], "0"), ([0, 1], "0-1"), ([0, 1, 2, 5, 7, 8], "0-2,5,7-8")])
+def test_cpu_ranges(cpus, text):
+    assert doctor._cpu_ranges(cpus) == text
