@@ -152,6 +152,80 @@ def time_one_epoch(loader, warmup_batches):
     )
 
 
+@dataclass(frozen=True)
+class NextCallResult:
+    """One epoch of one loader, timing only the main process's ``next()`` calls."""
+
+    first_batch_s: float
+    timed_batches: int
+    consumer_sleep_s: float  # the simulated training step between batches
+    median_us: float  # median wall time of one ``next(iterator)``
+    p10_us: float
+    p90_us: float
+    mean_us: float
+    checksum: float
+
+
+def time_next_calls(loader, warmup_batches, consumer_sleep_s):
+    """Time each ``next(iterator)`` of one epoch while the consumer is the bottleneck.
+
+    After every batch the consumer sleeps ``consumer_sleep_s`` (a stand-in for
+    a training step), long enough for the workers to refill everything they
+    prefetch. Each call then finds its batch already produced, and its wall
+    time is what the loader itself costs the main process per batch: taking
+    the result, turning it into tensors, and dispatching the next task.
+    """
+    iterator = iter(loader)
+    expected = len(loader)
+    checksum = 0.0
+    first_batch_s = None
+    durations = []
+    start = time.perf_counter()
+    for index in range(expected):
+        before = time.perf_counter()
+        batch = next(iterator)
+        after = time.perf_counter()
+        if index == 0:
+            first_batch_s = after - start
+        elif index >= warmup_batches:
+            durations.append(after - before)
+        checksum += touch(batch)
+        del batch
+        time.sleep(consumer_sleep_s)
+    if next(iterator, None) is not None:  # also ends the epoch the ordinary way
+        raise ValueError(f"the loader yielded more than its len() of {expected} batches")
+    del iterator
+    if not durations:
+        raise ValueError(f"the epoch had no batches after {warmup_batches} warm-up batches")
+    ordered = sorted(durations)
+
+    def quantile(q):
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e6
+
+    return NextCallResult(
+        first_batch_s=first_batch_s,
+        timed_batches=len(durations),
+        consumer_sleep_s=consumer_sleep_s,
+        median_us=statistics.median(durations) * 1e6,
+        p10_us=quantile(0.1),
+        p90_us=quantile(0.9),
+        mean_us=statistics.fmean(durations) * 1e6,
+        checksum=checksum,
+    )
+
+
+def iterator_worker_pids(iterator):
+    """Pids of a multi-process iterator's workers, for either loader.
+
+    fastloader's iterator has a public ``worker_pids``; torch's keeps its
+    ``multiprocessing.Process`` objects in the private ``_workers``.
+    """
+    pids = getattr(iterator, "worker_pids", None)
+    if pids is None:
+        pids = [worker.pid for worker in getattr(iterator, "_workers", ())]
+    return list(pids)
+
+
 def _multiprocessing_helper_pids():
     """The forkserver and resource tracker: started once, they live until exit.
 
@@ -198,11 +272,14 @@ def warm_up(loader, batches):
     del iterator
 
 
-def run_alternating(build_loader, loader_classes, repeats, warmup_batches, on_run=None):
+def run_alternating(build_loader, loader_classes, repeats, warmup_batches, on_run=None,
+                    measure=time_one_epoch):
     """Time ``repeats`` epochs per loader class, alternating the classes.
 
     ``build_loader(cls)`` returns a fresh loader; ``loader_classes`` maps a
-    display name to a DataLoader class. Returns ``{name: [RunResult, ...]}``.
+    display name to a DataLoader class. ``measure(loader, warmup_batches)``
+    runs one epoch and returns its result (``time_one_epoch`` by default).
+    Returns ``{name: [result, ...]}``.
     ``on_run(repeat, name, result)`` is called after every run (for progress).
     """
     names = list(loader_classes)
@@ -215,7 +292,7 @@ def run_alternating(build_loader, loader_classes, repeats, warmup_batches, on_ru
         order = names if repeat % 2 == 0 else names[::-1]
         for name in order:
             loader = build_loader(loader_classes[name])
-            result = time_one_epoch(loader, warmup_batches)
+            result = measure(loader, warmup_batches)
             del loader
             wait_for_workers_to_exit(children_before)
             results[name].append(result)

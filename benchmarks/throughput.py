@@ -5,11 +5,16 @@
     python -m benchmarks.throughput --workloads tiny,image --repeats 7 --json out.json
     python -m benchmarks.throughput --context spawn
 
-Workloads (budgets from DESIGN.md, "Budgets"):
+Workloads (budgets from DESIGN.md, "Budgets", and issue 5):
 
-    tiny   16 float32 + int label per sample     samples/s   >= 5.0x torch
-    image  uint8 3x224x224 + int label           MiB/s       >= 1.5x torch
-    cpu    ~1 ms of pure Python per sample       samples/s   >= 1.0x torch
+    tiny           16 float32 + int label per sample          samples/s  >= 5.0x torch
+    image          uint8 3x224x224 + int label                MiB/s      >= 1.5x torch
+    tokens         16-512 int64 tokens, padded into a dict    samples/s  >= 2.0x torch
+                   by a custom collate_fn
+    cpu            ~1 ms of pure Python per sample            samples/s  >= 1.0x torch
+    next_overhead  tiny samples, prefetch_factor 4, consumer  us/batch   <= 1/10 of torch's
+                   sleeps 2.5 ms per batch: wall time of one
+                   next() in the main process (median)
 
 Both loaders are built with the same arguments (batch 64, 2 workers, fork
 unless --context says otherwise); fastloader runs with its default
@@ -18,13 +23,14 @@ The exit status is 0 unless --check is given and a budget is clearly missed.
 """
 
 import argparse
+import functools
 import json
 import os
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass
-from typing import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional
 
 import torch
 import torch.utils.data
@@ -36,32 +42,67 @@ from benchmarks.harness import (
     markdown_table,
     progress,
     run_alternating,
+    time_next_calls,
+    time_one_epoch,
 )
 
 FASTLOADER = "fastloader"
 TORCH = "torch"
 
 
+# The consumer's stand-in for a training step in the next_overhead workload:
+# comfortably longer than either loader needs to produce a tiny batch with 2
+# workers (torch: ~1.2 ms), so the workers are always ahead, yet short enough
+# that an epoch of a few hundred batches takes about a second.
+CONSUMER_SLEEP_S = 0.0025
+
+
 @dataclass(frozen=True)
 class Workload:
     name: str
     make_dataset: Callable[[int], torch.utils.data.Dataset]
-    unit: str  # "samples/s" or "MiB/s"
-    budget: float  # minimum fastloader/torch throughput ratio
+    unit: str  # "samples/s", "MiB/s" or "us/batch"
+    # Minimum "times better than torch": fastloader/torch for rates,
+    # torch/fastloader for times (lower_is_better).
+    budget: float
     # Batches timed after the warm-up, sized for a timed window of ~3 s for
     # torch (~1 s with --quick) on the 2-core reference machine: long enough to
-    # average out scheduler noise, short enough that a default run of all three
-    # workloads stays under ~3 minutes and a quick one near 30 s.
+    # average out scheduler noise, short enough that a default run of all
+    # workloads stays under ~3 minutes and a quick one under a minute.
     timed_batches: int
     quick_timed_batches: int
+    description: str = ""
+    collate_fn: Optional[Callable] = None
+    loader_kwargs: dict = field(default_factory=dict)  # on top of batch size, workers, context
+    lower_is_better: bool = False
+    measure: Callable = time_one_epoch  # (loader, warmup_batches) -> result with .checksum
+
+    @property
+    def budget_text(self):
+        if self.lower_is_better:
+            return f"<= 1/{self.budget:g} of torch"
+        return f">= {self.budget:.1f}x"
 
 
 WORKLOADS = {
     w.name: w
     for w in (
-        Workload("tiny", datasets.TinyDataset, "samples/s", 5.0, 2500, 800),
-        Workload("image", datasets.ImageDataset, "MiB/s", 1.5, 600, 200),
-        Workload("cpu", datasets.CpuBoundDataset, "samples/s", 1.0, 100, 32),
+        Workload("tiny", datasets.TinyDataset, "samples/s", 5.0, 2500, 800,
+                 description="16 float32 + int label"),
+        Workload("image", datasets.ImageDataset, "MiB/s", 1.5, 600, 200,
+                 description="uint8 3x224x224 + int label"),
+        Workload("tokens", datasets.TokenDataset, "samples/s", 2.0, 1000, 350,
+                 description="16-512 int64 tokens, custom collate pads into a dict",
+                 collate_fn=datasets.pad_tokens),
+        Workload("cpu", datasets.CpuBoundDataset, "samples/s", 1.0, 100, 32,
+                 description="~1 ms of pure Python per sample"),
+        # The timed window here is batches x (sleep + next()), ~1.5 s for both
+        # loaders; only the next() calls inside it count.
+        Workload("next_overhead", datasets.TinyDataset, "us/batch", 10.0, 600, 250,
+                 description=f"main-process next() wall time, tiny samples, prefetch_factor 4, "
+                             f"consumer sleeps {CONSUMER_SLEEP_S * 1e3:g} ms per batch",
+                 loader_kwargs={"prefetch_factor": 4}, lower_is_better=True,
+                 measure=functools.partial(time_next_calls, consumer_sleep_s=CONSUMER_SLEEP_S)),
     )
 }
 
@@ -69,11 +110,13 @@ WORKLOADS = {
 @dataclass(frozen=True)
 class WorkloadReport:
     workload: Workload
-    throughput: dict  # loader name -> Stats, in workload.unit
+    value: dict  # loader name -> Stats, in workload.unit
     first_batch_ms: dict  # loader name -> Stats
-    ratio: float  # fastloader median / torch median
-    # fastloader / torch within each repeat: the two runs of a repeat are
-    # adjacent in time, so their ratio is the one least disturbed by drift.
+    # How many times better fastloader is: fastloader median / torch median for
+    # rates, torch median / fastloader median for times.
+    ratio: float
+    # The same ratio within each repeat: the two runs of a repeat are adjacent
+    # in time, so their ratio is the one least disturbed by drift.
     paired_ratios: Stats
     data_agrees: bool
     runs: dict  # loader name -> [RunResult]
@@ -102,7 +145,7 @@ def parse_args(argv):
         description="Throughput of fastloader.DataLoader vs torch.utils.data.DataLoader.",
     )
     parser.add_argument("--quick", action="store_true",
-                        help="smoke run: fewer batches and 3 repeats (~30 s)")
+                        help="smoke run: fewer batches and 3 repeats (~45 s)")
     parser.add_argument("--repeats", type=_positive_int, default=None,
                         help="runs per loader per workload (default 5, 3 with --quick)")
     parser.add_argument("--workloads", type=_workload_list, default=list(WORKLOADS),
@@ -162,8 +205,19 @@ def warmup_batches(num_workers):
     return 4 * num_workers
 
 
-def throughput_of(workload, result):
-    return result.mib_per_s if workload.unit == "MiB/s" else result.samples_per_s
+def value_of(workload, result):
+    """The figure a workload reports for one run, in ``workload.unit``."""
+    if workload.unit == "MiB/s":
+        return result.mib_per_s
+    if workload.unit == "us/batch":
+        return result.median_us
+    return result.samples_per_s
+
+
+def times_better(workload, fastloader_value, torch_value):
+    if workload.lower_is_better:
+        return torch_value / fastloader_value
+    return fastloader_value / torch_value
 
 
 def benchmark_workload(workload, args, loader_classes):
@@ -173,27 +227,29 @@ def benchmark_workload(workload, args, loader_classes):
     # exhausting its iterator, the way torch shuts its workers down normally.
     dataset = workload.make_dataset((warmup + timed) * args.batch_size)
     loader_kwargs = dict(batch_size=args.batch_size, num_workers=args.num_workers,
-                         multiprocessing_context=args.context)
+                         multiprocessing_context=args.context, **workload.loader_kwargs)
+    if workload.collate_fn is not None:
+        loader_kwargs["collate_fn"] = workload.collate_fn
 
     def on_run(repeat, name, result):
         if args.verbose:
             progress(f"  {workload.name} repeat {repeat + 1}/{args.repeats} {name:<10} "
-                     f"{_format_rate(throughput_of(workload, result), workload.unit):>10} "
+                     f"{_format_rate(value_of(workload, result), workload.unit):>10} "
                      f"{workload.unit}, first batch {result.first_batch_s * 1e3:.0f} ms")
 
     runs = run_alternating(lambda cls: cls(dataset, **loader_kwargs), loader_classes,
-                           args.repeats, warmup, on_run)
-    throughput = {name: Stats.of(throughput_of(workload, r) for r in rs) for name, rs in runs.items()}
+                           args.repeats, warmup, on_run, measure=workload.measure)
+    value = {name: Stats.of(value_of(workload, r) for r in rs) for name, rs in runs.items()}
     first_batch_ms = {name: Stats.of(r.first_batch_s * 1e3 for r in rs) for name, rs in runs.items()}
     paired_ratios = Stats.of(
-        throughput_of(workload, fast) / throughput_of(workload, reference)
+        times_better(workload, value_of(workload, fast), value_of(workload, reference))
         for fast, reference in zip(runs[FASTLOADER], runs[TORCH])
     )
     return WorkloadReport(
         workload=workload,
-        throughput=throughput,
+        value=value,
         first_batch_ms=first_batch_ms,
-        ratio=throughput[FASTLOADER].median / throughput[TORCH].median,
+        ratio=times_better(workload, value[FASTLOADER].median, value[TORCH].median),
         paired_ratios=paired_ratios,
         data_agrees=checksums_agree(runs),
         runs=runs,
@@ -201,7 +257,7 @@ def benchmark_workload(workload, args, loader_classes):
 
 
 def _format_rate(value, unit):
-    return f"{value:,.1f}" if unit == "MiB/s" else f"{value:,.0f}"
+    return f"{value:,.0f}" if unit == "samples/s" else f"{value:,.1f}"
 
 
 def _format_stats(stats, unit):
@@ -218,10 +274,10 @@ def render_report(reports, args):
         rows.append([
             report.workload.name,
             unit,
-            _format_stats(report.throughput[FASTLOADER], unit),
-            _format_stats(report.throughput[TORCH], unit),
+            _format_stats(report.value[FASTLOADER], unit),
+            _format_stats(report.value[TORCH], unit),
             f"{report.ratio:.2f}x ({report.paired_ratios.low:.2f}-{report.paired_ratios.high:.2f})",
-            f">= {report.workload.budget:.1f}x",
+            report.workload.budget_text,
             report.verdict,
             f"{report.first_batch_ms[FASTLOADER].median:.0f} / {report.first_batch_ms[TORCH].median:.0f}",
         ])
@@ -232,9 +288,14 @@ def render_report(reports, args):
         f"batch {args.batch_size}, start method {args.context}; throughput over the batches "
         f"after {warmup_batches(args.num_workers)} warm-up batches "
         f"({'quick' if args.quick else 'full'} run).",
-        "Ratio = fastloader median / torch median; in brackets the range of fastloader/torch "
-        "within each repeat. \"Within noise\": the median misses the budget but some repeat meets it.",
+        "Ratio = fastloader median / torch median (for us/batch, a time: torch / fastloader, so "
+        "higher is better everywhere); in brackets the range of that ratio within each repeat. "
+        "\"Within noise\": the median misses the budget but some repeat meets it.",
     ]
+    if any(report.workload.lower_is_better for report in reports):
+        notes.append(f"next_overhead: median wall time of one next() in the main process while "
+                     f"the consumer sleeps {CONSUMER_SLEEP_S * 1e3:g} ms per batch (workers ahead, "
+                     f"prefetch_factor 4, tiny samples).")
     for report in reports:
         if not report.data_agrees:
             notes.append(f"WARNING: {report.workload.name}: the loaders delivered different data "
@@ -242,32 +303,39 @@ def render_report(reports, args):
     return markdown_table(headers, rows, align="llrrrrlr") + "\n" + "\n".join(notes)
 
 
+def environment(fastloader_module):
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "fastloader": getattr(fastloader_module, "__version__", None),
+        "fastloader_path": getattr(fastloader_module, "__file__", None),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+    }
+
+
 def report_to_json(reports, args, fastloader_module):
     return {
         "benchmark": "throughput",
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "environment": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "fastloader": getattr(fastloader_module, "__version__", None),
-            "fastloader_path": getattr(fastloader_module, "__file__", None),
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-        },
+        "environment": environment(fastloader_module),
         "settings": {key: value for key, value in vars(args).items() if key not in ("json",)},
         "warmup_batches": warmup_batches(args.num_workers),
         "workloads": [
             {
                 "name": report.workload.name,
+                "description": report.workload.description,
                 "unit": report.workload.unit,
                 "budget": report.workload.budget,
+                "budget_text": report.workload.budget_text,
+                "lower_is_better": report.workload.lower_is_better,
                 "ratio": report.ratio,
                 "paired_ratios": asdict(report.paired_ratios),
                 "met": report.met,
                 "clearly_missed": report.clearly_missed,
                 "verdict": report.verdict,
                 "data_agrees": report.data_agrees,
-                "throughput": {name: asdict(stats) for name, stats in report.throughput.items()},
+                "value": {name: asdict(stats) for name, stats in report.value.items()},
                 "first_batch_ms": {name: asdict(stats) for name, stats in report.first_batch_ms.items()},
                 "runs": {name: [asdict(run) for run in runs] for name, runs in report.runs.items()},
             }
@@ -276,9 +344,8 @@ def report_to_json(reports, args, fastloader_module):
     }
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    fastloader_module, fastloader_cls = import_fastloader()
+def run_workloads(args, fastloader_module, fastloader_cls, step_prefix=""):
+    """Benchmark ``args.workloads`` in order, a progress line each; returns the reports."""
     loader_classes = {FASTLOADER: fastloader_cls, TORCH: torch.utils.data.DataLoader}
     progress(f"fastloader {getattr(fastloader_module, '__version__', '?')} "
              f"({fastloader_module.__file__}) vs torch {torch.__version__}; "
@@ -289,11 +356,18 @@ def main(argv=None):
         report = benchmark_workload(WORKLOADS[name], args, loader_classes)
         reports.append(report)
         unit = report.workload.unit
-        progress(f"[{position}/{len(args.workloads)}] {name}: "
-                 f"fastloader {_format_rate(report.throughput[FASTLOADER].median, unit)} {unit}, "
-                 f"torch {_format_rate(report.throughput[TORCH].median, unit)} {unit}, "
+        progress(f"{step_prefix}[{position}/{len(args.workloads)}] {name}: "
+                 f"fastloader {_format_rate(report.value[FASTLOADER].median, unit)} {unit}, "
+                 f"torch {_format_rate(report.value[TORCH].median, unit)} {unit}, "
                  f"ratio {report.ratio:.2f}x ({report.verdict}) "
                  f"in {time.perf_counter() - started:.0f} s")
+    return reports
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    fastloader_module, fastloader_cls = import_fastloader()
+    reports = run_workloads(args, fastloader_module, fastloader_cls)
     print(render_report(reports, args))
     if args.json:
         with open(args.json, "w") as stream:

@@ -446,7 +446,7 @@ take_result(fl_state *st, MainChannelObject *c, const fl_result *r)
     Py_XDECREF(owner_obj);
     if (payload == NULL)
         return NULL;
-    if (r->kind == FL_RES_BATCH)
+    if (r->kind == FL_RES_BATCH || r->kind == FL_RES_BATCH_SNAP)
         c->n_batches++;
     return Py_BuildValue("(iLINI)", c->worker_id, (long long)r->seq, (unsigned)r->kind,
                          payload, (unsigned)r->where);

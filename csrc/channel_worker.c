@@ -177,6 +177,7 @@ task_to_python(const fl_task_hdr *h, const uint8_t *p)
         return PyBytes_FromStringAndSize((const char *)p, (Py_ssize_t)h->payload_len);
     case FL_TASK_RESUME:
     case FL_TASK_SHUTDOWN:
+    case FL_TASK_CONTROL:
         return PyBytes_FromStringAndSize((const char *)p, (Py_ssize_t)h->payload_len);
     default:
         break;

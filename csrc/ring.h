@@ -23,6 +23,7 @@ enum {
     FL_TASK_PICKLE = 4,   /* payload: pickle bytes of the index object */
     FL_TASK_RESUME = 5,   /* persistent workers: start a new epoch */
     FL_TASK_SHUTDOWN = 6,
+    FL_TASK_CONTROL = 7,  /* payload: pickle of a Python-level control message */
 };
 
 /* result kinds */
@@ -31,6 +32,7 @@ enum {
     FL_RES_ERROR = 2,     /* payload: an ExceptionWrapper */
     FL_RES_ITER_END = 3,  /* the worker's IterableDataset replica is exhausted */
     FL_RES_RESUMED = 4,   /* acknowledges FL_TASK_RESUME */
+    FL_RES_BATCH_SNAP = 5, /* payload: (batch, worker snapshot) for resuming */
 };
 
 /* where a result's payload lies */

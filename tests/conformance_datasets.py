@@ -41,7 +41,8 @@ def describe_worker(owner):
     if info is None:
         return {"in_worker": False, "id": -1, "num_workers": 0, "seed": "", "repr": "",
                 "dataset_is_replica": False, "initial_seed": str(torch.initial_seed()),
-                "threads": torch.get_num_threads(), "daemon": False, "frozen": ""}
+                "threads": torch.get_num_threads(), "daemon": False, "frozen": "",
+                "thread_name": ""}
     try:
         info.id = 99
         frozen = "assignment allowed"
@@ -157,8 +158,17 @@ class RaiseAtDataset(Dataset):
 
     def __getitem__(self, index):
         if index in self.bad:
+            if self.exc_type is TwoArgError:
+                raise TwoArgError(index, f"bad sample {index}")
             raise self.exc_type(f"bad sample {index}")
         return torch.tensor([index])
+
+
+class TwoArgError(Exception):
+    """Cannot be rebuilt from a message alone: torch re-raises it as RuntimeError."""
+
+    def __init__(self, code, text):
+        super().__init__(code, text)
 
 
 class StatefulDataset(Dataset):
@@ -403,6 +413,10 @@ class InfoIterable(IterableDataset):
             yield {"value": wid * 100 + k, "worker": describe_worker(self),
                    "torch": torch.rand(1), "numpy": np.random.rand(1),
                    "python": random.random()}
+
+
+def tagged_collate(batch):
+    return {"tag": "tagged", "data": torch.stack(batch)}
 
 
 # ---- samples with a pin_memory() method (custom batch type) -------------------------

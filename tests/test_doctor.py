@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 
 import pytest
 import torch
@@ -30,7 +31,7 @@ FIELDS = {
 }
 SEGMENT_FIELDS = {"name", "kind", "pid", "uid", "mine", "size_bytes", "used_bytes", "mtime",
                   "inode", "stale", "reason"}
-RESULT_FIELDS = {"method", "ok", "first_batch_s", "total_s", "error"}
+RESULT_FIELDS = {"method", "ok", "first_batch_s", "total_s", "error", "log"}
 
 
 def run_doctor(env, *args, timeout=55):
@@ -108,35 +109,38 @@ def test_json_report_in_a_fresh_process_has_every_field(subprocess_env):
     assert elapsed < 50
 
 
-def test_text_report_reads_as_sections(subprocess_env):
-    result = run_doctor(subprocess_env, "--no-selftest")
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stderr == ""
-    text = result.stdout
+def test_text_report_reads_as_sections(capsys):
+    # In this process (the fresh-process run is the JSON test above): same code path.
+    assert doctor.main(["--no-selftest"]) == 0
+    text = capsys.readouterr().out
     for heading in ("Versions", "CPUs", "Sharing", "/dev/shm", "Start methods", "Self-test"):
         assert f"\n{heading}" in text, heading
     assert "ulimit -n" in text and "memfd" in text
     assert text.rstrip().splitlines()[-1] in ("Status: OK", "Status: WARNING")
 
 
-def test_unknown_command_is_a_usage_error(subprocess_env):
-    result = subprocess.run([sys.executable, "-m", "fastloader", "frobnicate"],
-                            env=subprocess_env, capture_output=True, text=True, timeout=30)
-    assert result.returncode == 2 and "doctor" in result.stderr
+def test_unknown_command_is_a_usage_error(capsys):
+    from fastloader.__main__ import main
+
+    assert main(["frobnicate"]) == 2
+    assert "doctor" in capsys.readouterr().err
 
 
 # ---- stale segments and --clean --------------------------------------------------------
 
 def test_stale_segments_found_and_only_they_cleaned(subprocess_env, tmp_path):
+    """Planted segments: detection judged in this process, `--clean` run in a fresh one
+    (which must still see that this process maps one of them)."""
     dead = dead_pid()
-    stale = f"fastloader-{dead}-deadbeef-w0-s0"
-    stale_torch = f"torch_{dead}_123456_0"
-    live = f"fastloader-{os.getpid()}-deadbeef-w0-s0"
+    tag = uuid.uuid4().hex[:8]   # concurrent runs on one machine must not collide
+    stale = f"fastloader-{dead}-{tag}-w0-s0"
+    stale_torch = f"torch_{dead}_{tag}_0"
+    live = f"fastloader-{os.getpid()}-{tag}-w0-s0"
     # Creator gone, but a live process (this one) still maps it: in use, not garbage.
-    mapped = f"torch_{dead}_654321_0"
+    mapped = f"torch_{dead}_{tag}_1"
     # Named like a segment but a symlink: --clean must never follow or remove it.
-    link = f"fastloader-{dead}-cafe-w0-s0"
-    foreign = f"fastloader-{dead}-f00d-w0-s0"   # stale, but another user's (root only)
+    link = f"fastloader-{dead}-{tag}-w0-s1"
+    foreign = f"fastloader-{dead}-{tag}-w0-s2"   # stale, but another user's (root only)
     victim = tmp_path / "victim"
     victim.write_text("keep me")
     paths, fds, views = [], [], []
@@ -157,7 +161,7 @@ def test_stale_segments_found_and_only_they_cleaned(subprocess_env, tmp_path):
             paths.append(path)
             os.chown(path, 65534, 65534)
 
-        before = segments_by_name(run_doctor_json(subprocess_env, "--no-selftest"))
+        before = {s["name"]: s for s in doctor.scan_segments()[0]}
         assert before[stale]["stale"] and before[stale]["mine"], before[stale]
         assert before[stale]["kind"] == "fastloader" and before[stale]["pid"] == dead
         assert before[stale_torch]["stale"] and before[stale_torch]["kind"] == "torch"
@@ -215,24 +219,36 @@ def test_exit_status_nonzero_when_no_shared_memory_works(monkeypatch, capsys):
     assert any(f["level"] == "error" and f["topic"] == "sharing" for f in report["findings"])
 
 
-def test_healthy_machine_exits_zero(capsys):
-    assert doctor.main(["--no-selftest"]) == 0
-    assert capsys.readouterr().out.rstrip().endswith(("Status: OK", "Status: WARNING"))
-
-
 def test_selftest_crash_is_reported_not_raised():
+    mark = doctor._STDERR_MARK
     out = "\n".join([json.dumps({"method": "fork", "event": "start"}),
                      json.dumps({"method": "fork", "event": "done", "ok": True,
                                  "first_batch_s": 0.1, "total_s": 0.2, "error": None}),
                      json.dumps({"method": "spawn", "event": "start"})])
-    results = doctor._selftest_results(["fork", "spawn", "forkserver"], out,
-                                       "Fatal Python error: Segmentation fault", -11)
+    err = "\n".join([mark + "fork", "noise from fork", mark + "spawn",
+                     "Fatal Python error: Segmentation fault"])
+    results = doctor._selftest_results(["fork", "spawn", "forkserver"], out, err, -11)
     assert [r["ok"] for r in results] == [True, False, False]
+    assert results[0]["log"] is None
     assert "SIGSEGV during it" in results[1]["error"]
-    assert "Segmentation fault" in results[1]["error"]
+    assert results[1]["log"] == "Fatal Python error: Segmentation fault"
     assert results[2]["error"].startswith("not run")
 
 
-@pytest.mark.parametrize("cpus, text", [([0], "0"), ([0, 1], "0-1"), ([0, 1, 2, 5, 7, 8], "0-2,5,7-8")])
+def test_selftest_failure_carries_its_workers_stderr(subprocess_env):
+    """A worker that dies prints why to stderr: the report shows it with the failed
+    method (fork, so the patched dataset reaches the workers)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys, fastloader.doctor as d\n"
+         "d.SelfTestDataset.__getitem__ = lambda self, i: sys.exit('worker gave up: planted')\n"
+         "sys.exit(d.selftest_child(['fork']))"],
+        env=subprocess_env, capture_output=True, text=True, timeout=55)
+    [result] = doctor._selftest_results(["fork"], proc.stdout, proc.stderr, proc.returncode)
+    assert not result["ok"] and result["error"], result
+    assert "worker gave up: planted" in (result["log"] or ""), result
+
+
+@pytest.mark.parametrize("cpus, text", [([0], "0"), ([0, 1], "0-1"),
+                                        ([0, 1, 2, 5, 7, 8], "0-2,5,7-8")])
 def test_cpu_ranges(cpus, text):
     assert doctor._cpu_ranges(cpus) == text

@@ -6,8 +6,10 @@ import weakref
 
 from torch.utils.data import DataLoader as _TorchDataLoader
 
+from . import resume as _resume
 from .iterator import FastMultiProcessingIter
 from .pool import STRATEGIES
+from .single import SingleProcessIter
 
 _DEFAULT_STRATEGY = "file_descriptor"
 
@@ -28,12 +30,24 @@ class DataLoader(_TorchDataLoader):
     segments in /dev/shm, mode 0600, unlinked as soon as both sides mapped them).
     It only concerns fastloader's own segments and never changes torch's global
     sharing strategy. With ``num_workers=0`` it is torch's DataLoader exactly.
+
+    ``state_dict()`` / ``load_state_dict()`` save and restore where an epoch
+    stands, so a restarted job yields exactly the batches the interrupted one
+    would have (see resume.py). ``snapshot_every_n_steps`` (keyword only,
+    default 0): workers also snapshot their RNGs every n batches, so a resume
+    replays at most n batches per worker instead of everything since the epoch
+    began.
     """
 
-    def __init__(self, *args, sharing_strategy: str = _DEFAULT_STRATEGY, **kwargs):
+    def __init__(self, *args, sharing_strategy: str = _DEFAULT_STRATEGY,
+                 snapshot_every_n_steps: int = 0, **kwargs):
         _check_strategy(sharing_strategy)
+        if not isinstance(snapshot_every_n_steps, int) or snapshot_every_n_steps < 0:
+            raise ValueError("snapshot_every_n_steps should be a non-negative integer, "
+                             f"but got {snapshot_every_n_steps!r}")
         super().__init__(*args, **kwargs)
         self.sharing_strategy = sharing_strategy
+        self.snapshot_every_n_steps = snapshot_every_n_steps
 
     def __setattr__(self, attr, val):
         if attr == "sharing_strategy":
@@ -41,13 +55,50 @@ class DataLoader(_TorchDataLoader):
         super().__setattr__(attr, val)
 
     def _get_iterator(self):
+        resume = self.__dict__.pop("_fl_resume", None)
         if self.num_workers == 0:
-            return super()._get_iterator()
-        self.check_worker_number_rationality()
-        it = FastMultiProcessingIter(self)
+            it = SingleProcessIter(self, resume)
+        else:
+            self.check_worker_number_rationality()
+            it = FastMultiProcessingIter(self, resume)
         # torch's __setattr__ guards some names after init; this one is ours
         object.__setattr__(self, "_fl_last_iterator", weakref.ref(it))
         return it
+
+    def _live_iterator(self):
+        ref = self.__dict__.get("_fl_last_iterator")
+        return ref() if ref is not None else None
+
+    def state_dict(self) -> dict:
+        """Where the current epoch stands: the sampler's starting RNG state, the
+        batches already yielded, and each worker's RNG snapshot. Pass it to
+        load_state_dict() of a fresh loader built with the same arguments."""
+        it = self._live_iterator()
+        if it is not None:
+            state = it.state_dict()
+        elif "_fl_final_state" in self.__dict__:
+            state = dict(self.__dict__["_fl_final_state"])
+        else:
+            state = {"version": _resume.VERSION, "fresh": True}
+        state["rng_now"] = _resume.capture_rng(self.generator)
+        state["fingerprint"] = _resume.fingerprint(self)
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Make the next ``iter(loader)`` continue from ``state``. Raises
+        ValueError if the state belongs to a different dataset length, batch
+        size, world size or number of workers."""
+        _resume.validate(self, state)
+        if state.get("fresh"):
+            return
+        if state.get("epoch_done"):
+            # the next epoch starts as it would have: same RNG, same base seed
+            _resume.restore_rng(self.generator, state["rng_now"])
+        if getattr(self, "_iterator", None) is not None:
+            # live persistent workers were seeded for another run: start afresh
+            self._iterator._shutdown_workers()
+            object.__setattr__(self, "_iterator", None)
+        object.__setattr__(self, "_fl_resume", state)
 
     def stats(self, memory=True):
         """Statistics of this loader's current (or last) epoch with workers: batches
@@ -55,9 +106,10 @@ class DataLoader(_TorchDataLoader):
         epoch (the data stall), and per worker: batches, busy/idle time, ring
         occupancy, overflow segments, USS/PSS. None before the first epoch, or
         with num_workers=0."""
-        ref = self.__dict__.get("_fl_last_iterator")
-        it = ref() if ref is not None else None
-        return None if it is None else it.stats(memory=memory)
+        it = self._live_iterator()
+        if it is None or not hasattr(it, "stats"):
+            return None
+        return it.stats(memory=memory)
 
 
 def _signature():
@@ -67,6 +119,8 @@ def _signature():
     params = list(base.parameters.values())
     params.append(inspect.Parameter("sharing_strategy", inspect.Parameter.KEYWORD_ONLY,
                                     default=_DEFAULT_STRATEGY, annotation=str))
+    params.append(inspect.Parameter("snapshot_every_n_steps", inspect.Parameter.KEYWORD_ONLY,
+                                    default=0, annotation=int))
     return base.replace(parameters=params)
 
 

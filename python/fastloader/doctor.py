@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import functools
 import json
 import mmap
 import multiprocessing
@@ -126,8 +127,9 @@ def probe_memfd() -> tuple[bool, str | None]:
 
 
 def probe_shm_dir(shm_dir: str = SHM_DIR) -> tuple[bool, str | None]:
-    # No fastloader-<pid>- prefix: a probe must never look like a segment to scan.
-    path = os.path.join(shm_dir, f"fastloader-doctor-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    # A hidden name: the probe must never look like a segment to a scan or to a
+    # leak check globbing fastloader-* while it exists.
+    path = os.path.join(shm_dir, f".fastloader-doctor-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
                      0o600)
@@ -171,6 +173,7 @@ def collect_sharing() -> dict:
 
 # ---- /dev/shm: space and leftover segments --------------------------------------------
 
+@functools.lru_cache(maxsize=None)
 def _boot_time() -> float:
     with open("/proc/stat") as f:
         for line in f:
@@ -268,10 +271,10 @@ def scan_segments(shm_dir: str = SHM_DIR) -> tuple[list, dict]:
             "used_bytes": st.st_blocks * 512, "mtime": st.st_mtime, "inode": st.st_ino,
             "stale": not alive, "reason": reason,
         })
-    orphans = {os.path.join(shm_dir, s["name"]) for s in segments if s["stale"]}
+    orphans = {os.path.join(shm_dir, s["name"]): s for s in segments if s["stale"]}
     if orphans:
-        for path, pid in _paths_in_use(orphans).items():
-            seg = next(s for s in segments if os.path.join(shm_dir, s["name"]) == path)
+        for path, pid in _paths_in_use(set(orphans)).items():
+            seg = orphans[path]
             seg["stale"] = False
             seg["reason"] += f", but process {pid} still has it open or mapped"
     segments.sort(key=lambda s: s["name"])
@@ -285,11 +288,15 @@ def collect_dev_shm(shm_dir: str = SHM_DIR) -> dict:
     if not info["exists"]:
         info["error"] = f"{shm_dir} does not exist"
         return info
-    vfs = os.statvfs(shm_dir)
-    info["size_bytes"] = vfs.f_blocks * vfs.f_frsize
-    info["free_bytes"] = vfs.f_bavail * vfs.f_frsize
     info["usable"], info["error"] = probe_shm_dir(shm_dir)
-    segments, other = scan_segments(shm_dir)
+    try:
+        vfs = os.statvfs(shm_dir)
+        info["size_bytes"] = vfs.f_blocks * vfs.f_frsize
+        info["free_bytes"] = vfs.f_bavail * vfs.f_frsize
+        segments, other = scan_segments(shm_dir)
+    except OSError as exc:
+        info["error"] = info["error"] or f"reading {shm_dir}: {exc}"
+        return info
     info["segments"] = segments
     info["other_files"], info["other_bytes"] = other["files"], other["bytes"]
     return info
@@ -299,10 +306,13 @@ def clean_stale(segments: list, shm_dir: str = SHM_DIR) -> dict:
     """Unlink stale segments owned by the effective uid, nothing else. Each file is
     checked again just before unlinking, so one replaced since the scan is left alone."""
     removed, failed = [], []
-    for seg in segments:
-        if not (seg["stale"] and seg["mine"]):
+    candidates = {os.path.join(shm_dir, s["name"]): s
+                  for s in segments if s["stale"] and s["mine"]}
+    # Looked up once more: a process may have opened one since the scan.
+    in_use = _paths_in_use(set(candidates)) if candidates else {}
+    for path, seg in candidates.items():
+        if path in in_use:
             continue
-        path = os.path.join(shm_dir, seg["name"])
         try:
             st = os.lstat(path)
             unchanged = (st.st_ino == seg["inode"] and st.st_mtime == seg["mtime"]
@@ -402,12 +412,19 @@ def _selftest_one(method: str) -> dict:
     return result
 
 
+# Written to stderr before each method, so that what its workers print (a traceback
+# from a dying worker) can be told apart from what the next method's workers print.
+_STDERR_MARK = "== fastloader doctor self-test: "
+_LOG_LINES = 15
+
+
 def selftest_child(methods: list) -> int:
     """Runs in a separate interpreter (see run_selftest): one JSON line per event."""
     # A box with one usable CPU makes torch warn about 2 workers; that is expected here.
     warnings.filterwarnings("ignore", message="This DataLoader will create")
     signal.signal(signal.SIGALRM, _on_alarm)
     for method in methods:
+        print(_STDERR_MARK + method, file=sys.stderr, flush=True)
         print(json.dumps({"method": method, "event": "start"}), flush=True)
         print(json.dumps(_selftest_one(method)), flush=True)
     return 0
@@ -452,6 +469,18 @@ def run_selftest(methods: list) -> list:
     return _selftest_results(methods, out, err, proc.returncode)
 
 
+def _split_stderr(err: str) -> dict:
+    """method -> what was printed to stderr while it ran ('' key: before any method)."""
+    logs, current = {"": []}, ""
+    for line in err.splitlines():
+        if line.startswith(_STDERR_MARK):
+            current = line[len(_STDERR_MARK):]
+            logs.setdefault(current, [])
+        else:
+            logs[current].append(line)
+    return {method: "\n".join(lines[-_LOG_LINES:]) or None for method, lines in logs.items()}
+
+
 def _selftest_results(methods: list, out: str, err: str, returncode: int | None) -> list:
     results, started = {}, set()
     for line in out.splitlines():
@@ -464,15 +493,18 @@ def _selftest_results(methods: list, out: str, err: str, returncode: int | None)
         elif event.get("event") == "done":
             event.pop("event")
             results[event["method"]] = event
-    tail = " | ".join(err.strip().splitlines()[-3:])
+    logs = _split_stderr(err)
     for method in methods:
         if method not in results:
-            what = ("the self-test process " + _describe_exit(returncode) + " during it"
-                    if method in started else "not run: the self-test process "
-                    + _describe_exit(returncode))
+            if method in started:
+                error = f"the self-test process {_describe_exit(returncode)} during it"
+            else:
+                error = f"not run: the self-test process {_describe_exit(returncode)}"
             results[method] = {"method": method, "ok": False, "first_batch_s": None,
-                               "total_s": None,
-                               "error": what + (f" ({tail})" if tail else "")}
+                               "total_s": None, "error": error}
+        result = results[method]
+        # A failure's cause is often only in a worker's traceback on stderr.
+        result["log"] = None if result["ok"] else logs.get(method) or logs[""]
     return [results[m] for m in methods]
 
 
@@ -501,14 +533,19 @@ def assess(report: dict) -> list:
             "fastloader's default strategy does not need it"))
 
     soft = sharing["fd_limit_soft"]
-    if soft is not None and soft < FD_SOFT_LIMIT_LOW and sharing["torch_strategy"] == "file_descriptor":
+    torch_uses_fds = sharing["torch_strategy"] == "file_descriptor"
+    if soft is not None and soft < FD_SOFT_LIMIT_LOW and torch_uses_fds:
         hard = sharing["fd_limit_hard"]
-        raise_to = "unlimited" if hard is None else hard
+        if hard is None or hard > soft:
+            how = (f"raise it with `ulimit -n {'unlimited' if hard is None else hard}` "
+                   "(up to the hard limit needs no privileges)")
+        else:
+            how = ("the hard limit is the same, so raising it needs root (limits.conf, "
+                   "`docker run --ulimit nofile=...`)")
         findings.append(_finding(
             "warning", "fds", f"open-file limit is {soft}: torch's 'file_descriptor' strategy "
-            f"holds one fd per shared tensor and may fail with 'Too many open files'. Raise it "
-            f"(`ulimit -n {raise_to}` allows up to the hard limit without privileges) or use "
-            f"fastloader, whose fd count per worker is constant"))
+            f"holds one fd per shared tensor and may fail with 'Too many open files'; {how}, "
+            "or use fastloader, whose fd count per worker is constant"))
     if soft is not None and sharing["open_fds"] > soft * 0.8:
         findings.append(_finding(
             "warning", "fds", f"{sharing['open_fds']} fds already open of a limit of {soft}"))
@@ -574,11 +611,12 @@ def collect(selftest: bool = True, clean: bool = False) -> dict:
 def _human_bytes(n: int | None) -> str:
     if n is None:
         return "?"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    if n < 1024:
+        return f"{n} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
         n /= 1024
-    return f"{n} TiB"   # unreachable
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
 
 
 def _cpu_ranges(cpus: list) -> str:
@@ -653,7 +691,9 @@ def _render_dev_shm(r: dict, max_segments: int = 20) -> list:
     if d["cleaned"] is not None:
         removed = d["cleaned"]["removed"]
         lines.append(f"  cleaned             removed {len(removed)} stale segment(s)")
-        lines += [f"    removed {name}" for name in removed]
+        lines += [f"    removed {name}" for name in removed[:max_segments]]
+        if len(removed) > max_segments:
+            lines.append(f"    ... and {len(removed) - max_segments} more (see --json)")
     return lines
 
 
@@ -665,7 +705,7 @@ def _render_start_methods(r: dict) -> list:
              f"  default             {m['default']} ({how})"]
     for name, text in m["pitfalls"].items():
         lines += textwrap.wrap(text, width=_TEXT_WIDTH, initial_indent=f"  {name + ':':<19} ",
-                               subsequent_indent=" " * 22)
+                               subsequent_indent=" " * 22, break_on_hyphens=False)
     return lines
 
 
@@ -680,6 +720,7 @@ def _render_selftest(r: dict) -> list:
                          f"total {res['total_s']:.2f} s")
         else:
             lines.append(f"  {res['method']:<19} FAILED  {res['error']}")
+            lines += [f"  {'':<19} | {line}" for line in (res["log"] or "").splitlines()]
     return lines
 
 
@@ -691,7 +732,10 @@ def render_text(report: dict) -> str:
         lines += section(report) + [""]
     if report["findings"]:
         lines.append("Findings")
-        lines += [f"  {f['level'].upper()}: {f['message']}" for f in report["findings"]]
+        for f in report["findings"]:
+            lines += textwrap.wrap(f"{f['level'].upper()}: {f['message']}", width=_TEXT_WIDTH,
+                                   initial_indent="  ", subsequent_indent="    ",
+                                   break_on_hyphens=False)
         lines.append("")
     lines.append(f"Status: {report['status'].upper()}")
     return "\n".join(lines)

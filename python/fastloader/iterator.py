@@ -3,12 +3,13 @@
 It follows torch's _MultiProcessingDataLoaderIter task for task (round-robin
 dispatch, prefetch_factor tasks per worker, in-order delivery with a reorder
 buffer, IterableDataset exhaustion per worker, persistent workers, timeout), so
-batches come out identical; only the transport differs."""
+batches come out identical; only the transport differs. It also keeps what
+`DataLoader.state_dict()` needs to resume mid-epoch (see resume.py)."""
 from __future__ import annotations
 
-import itertools
 import pickle
 import time
+import weakref
 
 import torch
 from torch._utils import ExceptionWrapper
@@ -17,12 +18,17 @@ from torch.utils.data._utils import pin_memory as _pin
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from . import _core
+from . import resume as _resume
 from . import stats as _stats
 from .pool import STRATEGIES, WorkerPool, WorkerSpec
 
 # Slots per worker beyond its prefetched batches: the one the consumer holds, the
 # one it is about to drop, and one of slack for a pin-memory or prefetch stage.
 _EXTRA_SLOTS = 3
+
+# Control tasks that only this layer knows (payload: pickle)
+_CONTROL_RESTORE = "restore"   # (snapshot) restore RNGs / iterable position
+_CONTROL_REPLAY = "replay"     # (index) re-run a task without sending its batch
 
 
 def _task_bytes_estimate(loader) -> int:
@@ -34,14 +40,23 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
     _clock = staticmethod(time.perf_counter)
     _epoch = 0
 
-    def __init__(self, loader):
+    def __init__(self, loader, resume_state=None):
         super().__init__(loader)
+        self._loader_ref = weakref.ref(loader)
         if self._num_workers <= 0:
             raise AssertionError("num_workers must be greater than 0")
+        self._loader_generator = loader.generator
         self._prefetch_factor = loader.prefetch_factor
         self._in_order = getattr(loader, "in_order", True)
         self._shutdown = False
         self._pool = None
+        self._resume_state = resume_state
+        if resume_state is not None and resume_state.get("epoch_done"):
+            self._epoch = resume_state["epoch"]   # the next one starts afresh
+        elif resume_state is not None:
+            # the workers must be seeded as in the interrupted run
+            self._base_seed = resume_state["base_seed"]
+            self._epoch = resume_state["epoch"] - 1
         context = loader.multiprocessing_context
         if context is None:
             context = torch.multiprocessing.get_context()
@@ -50,7 +65,8 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             WorkerSpec(self._dataset_kind, self._dataset, self._auto_collation,
                        self._collate_fn, self._drop_last, self._base_seed,
                        loader.worker_init_fn, wid, self._num_workers,
-                       self._prefetch_factor + _EXTRA_SLOTS)
+                       self._prefetch_factor + _EXTRA_SLOTS,
+                       getattr(loader, "snapshot_every_n_steps", 0))
             for wid in range(self._num_workers)
         ]
         self._pool = WorkerPool(
@@ -98,13 +114,24 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         self._delivered = [0, 0, 0]   # batches handed out, by where they travelled
         self._delivered_by_worker = [0] * self._num_workers
         self._stats_printed = False
+        self._epoch_done = False
         self._send_idx = 0
         self._rcvd_idx = 0
         self._task_info = {}
         self._tasks_outstanding = 0
         self._workers_status = [True] * self._num_workers
         self._workers_num_tasks = [0] * self._num_workers
-        self._worker_queue_idx_cycle = itertools.cycle(range(self._num_workers))
+        # torch cycles with itertools.cycle; an explicit position can be saved
+        self._cycle_order = list(range(self._num_workers))
+        self._cycle_pos = 0
+        self._ahead_to_skip = set()
+        # resume bookkeeping: per worker, the newest snapshot delivered with a
+        # batch (and the one of the epoch's start), and the tasks delivered since
+        self._snap = [None] * self._num_workers
+        self._epoch_snap = [None] * self._num_workers
+        self._since_snap = [[] for _ in range(self._num_workers)]
+        self._epoch_tasks = [[] for _ in range(self._num_workers)]
+        self._delivered_ahead = set()   # in_order=False: delivered seqs past _rcvd_idx
         if not first_iter:
             for ch in self._channels:
                 ch.put_task(_core.TASK_RESUME, -1)
@@ -114,9 +141,87 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
                 if kind == _core.RES_RESUMED:
                     waiting -= 1
                 # anything else is left over from an abandoned epoch: dropped
+        state, self._resume_state = self._resume_state, None
+        if state is not None and not state.get("epoch_done"):
+            self._fast_forward(state)
+        self._sampler_rng = _resume.capture_rng(self._loader_generator)
         for _ in range(self._prefetch_factor * self._num_workers):
             self._try_put_index()
 
+    def _fast_forward(self, state):
+        """Skip the batches the interrupted run already yielded, and bring every
+        worker's RNG (and iterable position) to where it was."""
+        _resume.restore_rng(self._loader_generator, state["sampler_rng"])
+        target = state["next_seq"]
+        skip = set(state.get("delivered_ahead", ()))
+        needed = {seq for w in state["workers"] for seq in w["replay"]}
+        index_of = {}
+        for seq in range(target):
+            try:
+                index = self._next_index()
+            except StopIteration:
+                break
+            if seq in needed:
+                index_of[seq] = index
+        # tasks the interrupted run had handed out past `target` are sent anew
+        self._ahead_to_skip = set(skip)
+        for wid, w in enumerate(state["workers"]):
+            self._workers_status[wid] = w["active"]
+            ch = self._channels[wid]
+            if w["snapshot"] is not None:
+                self._put_control(ch, (_CONTROL_RESTORE, w["snapshot"]))
+            for seq in w["replay"]:
+                if seq in index_of:
+                    self._put_control(ch, (_CONTROL_REPLAY, index_of[seq]))
+            self._snap[wid] = w.get("snap_entry")
+            self._epoch_snap[wid] = w.get("epoch_snap_entry")
+            self._since_snap[wid] = list(w["replay"])
+            self._epoch_tasks[wid] = list(w.get("epoch_tasks", ()))
+        self._send_idx = self._rcvd_idx = target
+        start = state["next_worker"]
+        self._cycle_order = [(start + i) % self._num_workers for i in range(self._num_workers)]
+        self._cycle_pos = 0
+        self._num_yielded = state["yielded"]
+
+    def _put_control(self, ch, message):
+        ch.put_task(_core.TASK_CONTROL, -1, pickle.dumps(message,
+                                                          protocol=pickle.HIGHEST_PROTOCOL))
+
+    def state_dict(self):
+        """Where this epoch stands; see DataLoader.state_dict()."""
+        workers = []
+        for wid in range(self._num_workers):
+            entry = self._snap[wid]
+            replay = self._since_snap[wid]
+            if entry is None or (_resume.needs_epoch_start(self._dataset)
+                                 and self._epoch_snap[wid] is not None):
+                entry = self._epoch_snap[wid]
+                replay = self._epoch_tasks[wid]
+            workers.append({
+                "active": self._workers_status[wid],
+                "snapshot": entry[1] if entry else None,
+                "snap_entry": entry,
+                "epoch_snap_entry": self._epoch_snap[wid],
+                "replay": list(replay),
+                "epoch_tasks": list(self._epoch_tasks[wid]),
+            })
+        nxt = self._task_info.get(self._rcvd_idx, (None,))[0]
+        if nxt is None:   # nothing outstanding: the cycle's next pick
+            nxt = self._cycle_order[self._cycle_pos % self._num_workers]
+        return {
+            "version": _resume.VERSION,
+            "epoch": self._epoch,
+            "epoch_done": self._epoch_done,
+            "base_seed": self._base_seed,
+            "sampler_rng": self._sampler_rng,
+            "next_seq": self._rcvd_idx,
+            "next_worker": nxt,
+            "yielded": self._num_yielded,
+            "delivered_ahead": sorted(s for s in self._delivered_ahead if s >= self._rcvd_idx),
+            "workers": workers,
+        }
+
+    # -- receiving -------------------------------------------------------------------
     def _get_data(self):
         timeout = self._timeout if self._timeout > 0 else None
         prefer = self._task_info.get(self._rcvd_idx, (0,))[0]
@@ -149,6 +254,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
                     del self._task_info[self._rcvd_idx]
                 self._rcvd_idx += 1
             else:
+                self._epoch_done = True
                 if _stats.enabled() and not self._stats_printed:
                     self._stats_printed = True
                     _stats.print_summary(self)
@@ -157,9 +263,10 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
                 raise StopIteration
 
             if len(self._task_info[self._rcvd_idx]) == 2:
-                worker_id, (data, where) = self._task_info.pop(self._rcvd_idx)
+                seq = self._rcvd_idx
+                worker_id, result = self._task_info.pop(seq)
                 self._rcvd_idx += 1
-                return self._process_data(data, worker_id, where)
+                return self._process_data(result, worker_id, seq)
 
             wid, seq, kind, data, where = self._get_data()
             if kind == _core.RES_RESUMED:
@@ -172,28 +279,40 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
                     self._mark_worker_as_unavailable(wid)
                 self._try_put_index()
                 continue
-            if kind == _core.RES_ERROR and not isinstance(data, ExceptionWrapper):
+            snap = None
+            if kind == _core.RES_BATCH_SNAP:
+                data, snap = data
+            elif kind == _core.RES_ERROR and not isinstance(data, ExceptionWrapper):
                 data = ExceptionWrapper(where=f"in DataLoader worker process {wid}")
+            result = (data, where, snap)
             if seq != self._rcvd_idx:
                 if not self._in_order:
                     self._task_info.pop(seq)
-                    return self._process_data(data, wid, where)
-                self._task_info[seq] += ((data, where),)
+                    self._delivered_ahead.add(seq)
+                    return self._process_data(result, wid, seq)
+                self._task_info[seq] += (result,)
             else:
                 self._task_info.pop(seq)
                 self._rcvd_idx += 1
-                return self._process_data(data, wid, where)
+                return self._process_data(result, wid, seq)
 
     def _try_put_index(self):
         max_tasks = self._prefetch_factor * self._num_workers
         if self._tasks_outstanding >= max_tasks:
             raise AssertionError("Number of outstanding tasks exceeded maximum allowed tasks")
-        try:
-            index = self._next_index()
-        except StopIteration:
-            return
+        while True:
+            try:
+                index = self._next_index()
+            except StopIteration:
+                return
+            if self._send_idx not in self._ahead_to_skip:
+                break
+            # resumed with in_order=False: this batch was delivered already
+            self._ahead_to_skip.discard(self._send_idx)
+            self._send_idx += 1
         for _ in range(self._num_workers):
-            worker_queue_idx = next(self._worker_queue_idx_cycle)
+            worker_queue_idx = self._cycle_order[self._cycle_pos % self._num_workers]
+            self._cycle_pos += 1
             if self._workers_status[worker_queue_idx]:
                 if self._in_order:
                     break
@@ -211,10 +330,20 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         self._tasks_outstanding += 1
         self._send_idx += 1
 
-    def _process_data(self, data, worker_idx, where):
+    def _process_data(self, result, worker_idx, seq):
+        data, where, snap = result
         self._workers_num_tasks[worker_idx] -= 1
         self._delivered[where] += 1
         self._delivered_by_worker[worker_idx] += 1
+        if snap is not None:
+            entry = (seq, snap)
+            self._snap[worker_idx] = entry
+            self._since_snap[worker_idx] = [seq]
+            if self._epoch_snap[worker_idx] is None:
+                self._epoch_snap[worker_idx] = entry
+        else:
+            self._since_snap[worker_idx].append(seq)
+        self._epoch_tasks[worker_idx].append(seq)
         self._try_put_index()
         if isinstance(data, ExceptionWrapper):
             data.reraise()
@@ -231,9 +360,20 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         if self._shutdown:
             return
         self._shutdown = True
+        self._leave_state_with_loader()
         pool = self._pool
         if pool is not None:
             pool.shutdown(timeout=grace)
+
+    def _leave_state_with_loader(self):
+        # the loader answers state_dict() after this iterator is gone (an epoch
+        # that ended, or a loop that broke out)
+        loader = self._loader_ref() if hasattr(self, "_loader_ref") else None
+        if loader is not None and hasattr(self, "_snap"):
+            try:
+                loader.__dict__["_fl_final_state"] = self.state_dict()
+            except Exception:
+                pass
 
     def __del__(self):
         try:

@@ -41,6 +41,7 @@ class WorkerSpec:
     worker_id: int
     num_workers: int
     nslots: int
+    snapshot_every: int = 0   # see resume.py
 
 
 class _Fd:

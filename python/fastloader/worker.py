@@ -14,6 +14,7 @@ from torch.utils.data._utils.worker import WorkerInfo
 
 from . import _codec_hooks  # noqa: F401  (registers the codec hooks in this process)
 from . import _core
+from . import resume as _resume
 from .collate import worker_collate
 
 
@@ -129,6 +130,8 @@ def _serve(spec, chan):
         init_error = _wrap_exception(wid, -1, "worker_init_fn")
 
     iteration_end = False
+    every = spec.snapshot_every
+    done = 0   # tasks taken this epoch: snapshots fall on the same ones when resumed
     while True:
         task = chan.get_task()
         if task is None:          # the main process is gone
@@ -138,17 +141,38 @@ def _serve(spec, chan):
             return
         if kind == _core.TASK_RESUME:
             # persistent workers: a new epoch restarts the replica as torch does
-            iteration_end = False
+            iteration_end, done = False, 0
             fetcher = _DatasetKind.create_fetcher(spec.dataset_kind, dataset,
                                                   spec.auto_collation, collate_fn,
                                                   spec.drop_last)
             chan.publish(_core.RES_RESUMED, seq)
+            continue
+        if kind == _core.TASK_CONTROL:
+            action, arg = pickle.loads(index)
+            if action == "restore":
+                done = _resume.restore_snapshot(dataset, arg)
+                iteration_end = False
+                fetcher = _DatasetKind.create_fetcher(spec.dataset_kind, dataset,
+                                                      spec.auto_collation, collate_fn,
+                                                      spec.drop_last)
+            elif action == "replay":
+                # re-run a task the interrupted run delivered, for its side
+                # effects on RNGs and iterator position; the batch is dropped
+                done += 1
+                try:
+                    fetcher.fetch(arg)
+                except Exception:
+                    pass
             continue
         if kind == _core.TASK_PICKLE:
             index = pickle.loads(index)
         if iteration_end:
             chan.publish(_core.RES_ITER_END, seq)
             continue
+        snapshot = None
+        if done == 0 or (every > 0 and done % every == 0):
+            snapshot = _resume.take_snapshot(dataset, done)
+        done += 1
         if init_error is not None:
             data, rkind, init_error = init_error, _core.RES_ERROR, None
         else:
@@ -163,6 +187,8 @@ def _serve(spec, chan):
                     continue
             except Exception:
                 data, rkind = _wrap_exception(wid, seq, index), _core.RES_ERROR
+        if snapshot is not None and rkind == _core.RES_BATCH:
+            data, rkind = (data, snapshot), _core.RES_BATCH_SNAP
         try:
             chan.publish(rkind, seq, data)
         except (pickle.PicklingError, TypeError, AttributeError) as exc:

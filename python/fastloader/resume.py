@@ -1,0 +1,115 @@
+"""Mid-epoch resume: what `DataLoader.state_dict()` captures and how a fresh
+loader fast-forwards to it.
+
+The batches of an epoch are fixed by three things, and the state holds each:
+  * the main process's RNG where the sampler starts drawing (and the workers'
+    base seed), so the restored sampler yields the same index batches;
+  * how far the epoch got (the next batch sequence number), so those batches are
+    skipped, not fetched;
+  * each worker's RNG (random, torch, numpy) and, for an IterableDataset with
+    ``state_dict``/``load_state_dict``, its position, as snapshotted before one
+    of its tasks, plus the tasks it ran since: a resumed worker restores the
+    snapshot and re-runs those tasks without sending them (replay), which puts
+    its RNG exactly where the uninterrupted run had it.
+Workers snapshot before their first task of each epoch, and every
+``snapshot_every_n_steps`` tasks when that is > 0 (less replay on resume, a few
+tens of microseconds per snapshot).
+"""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset
+
+VERSION = 1
+
+
+# -- main process ------------------------------------------------------------------
+def capture_rng(generator):
+    return (generator.get_state() if generator is not None else torch.get_rng_state()).clone()
+
+
+def restore_rng(generator, state):
+    if generator is not None:
+        generator.set_state(state)
+    else:
+        torch.set_rng_state(state)
+
+
+def _sampler_of(loader):
+    return getattr(loader.batch_sampler, "sampler", None) or loader.sampler
+
+
+def fingerprint(loader) -> dict:
+    """What must match between the saved run and the resumed one."""
+    try:
+        length = len(loader.dataset)
+    except TypeError:
+        length = None
+    sampler = _sampler_of(loader)
+    world = getattr(sampler, "num_replicas", None)
+    if world is None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        world = torch.distributed.get_world_size()
+    return {
+        "dataset_len": length,
+        "batch_size": getattr(loader.batch_sampler, "batch_size", loader.batch_size),
+        "drop_last": loader.drop_last,
+        "world_size": world if world is not None else 1,
+        "num_workers": loader.num_workers,
+    }
+
+
+def validate(loader, state):
+    if not isinstance(state, dict) or state.get("version") != VERSION:
+        raise ValueError("fastloader: load_state_dict() expects a state from "
+                         "fastloader.DataLoader.state_dict() (version "
+                         f"{VERSION}), got {type(state).__name__}")
+    saved, now = state["fingerprint"], fingerprint(loader)
+    names = {"dataset_len": "dataset length", "batch_size": "batch size",
+             "drop_last": "drop_last", "world_size": "world size",
+             "num_workers": "num_workers"}
+    for key, label in names.items():
+        if saved.get(key) != now.get(key):
+            raise ValueError(
+                f"fastloader: cannot resume: the state was saved with {label} "
+                f"{saved.get(key)!r} but this loader has {label} {now.get(key)!r}; "
+                "resuming would silently yield different batches")
+
+
+# -- worker process ----------------------------------------------------------------
+def _stateful(dataset) -> bool:
+    return (isinstance(dataset, IterableDataset) and callable(getattr(dataset, "state_dict", None))
+            and callable(getattr(dataset, "load_state_dict", None)))
+
+
+def take_snapshot(dataset, tasks_done: int) -> dict:
+    snap = {"k": tasks_done, "random": random.getstate(), "torch": torch.get_rng_state(),
+            "numpy": np.random.get_state()}
+    if _stateful(dataset):
+        snap["dataset"] = dataset.state_dict()
+    return snap
+
+
+def restore_snapshot(dataset, snap) -> int:
+    """Restore RNGs (and an iterable's position); returns the task count."""
+    random.setstate(_as_random_state(snap["random"]))
+    torch.set_rng_state(snap["torch"])
+    np.random.set_state(snap["numpy"])
+    if "dataset" in snap and _stateful(dataset):
+        dataset.load_state_dict(snap["dataset"])
+    return snap["k"]
+
+
+def _as_random_state(state):
+    # random.setstate wants (version, tuple-of-ints, gauss_next); the codec may
+    # hand back lists
+    version, internal, gauss = state
+    return version, tuple(internal), gauss
+
+
+def needs_epoch_start(dataset) -> bool:
+    """A plain IterableDataset cannot be positioned mid-epoch: its workers resume
+    from the epoch's first snapshot and replay everything since."""
+    return isinstance(dataset, IterableDataset) and not _stateful(dataset)

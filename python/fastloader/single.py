@@ -1,0 +1,70 @@
+"""num_workers=0: torch's own single-process iterator, plus the little it needs
+for state_dict()/load_state_dict(): where the sampler started and how many
+batches were yielded. (Randomness inside __getitem__ runs in the main process
+there, on the user's own RNGs; a resume re-seeds nothing of it.)"""
+from __future__ import annotations
+
+import weakref
+
+from torch.utils.data.dataloader import _SingleProcessDataLoaderIter
+
+from . import resume as _resume
+
+
+class SingleProcessIter(_SingleProcessDataLoaderIter):
+    _epoch = 0
+
+    def __init__(self, loader, resume_state=None):
+        self._loader_ref = weakref.ref(loader)
+        self._loader_generator = loader.generator
+        self._resume_state = resume_state
+        self._epoch_done = False
+        super().__init__(loader)
+        self._start_epoch()
+
+    def _reset(self, loader, first_iter=False):
+        super()._reset(loader, first_iter)
+        if not first_iter:
+            self._start_epoch()
+
+    def _start_epoch(self):
+        self._epoch += 1
+        self._epoch_done = False
+        state, self._resume_state = self._resume_state, None
+        if state is not None and not state.get("epoch_done"):
+            self._epoch = state["epoch"]
+            _resume.restore_rng(self._loader_generator, state["sampler_rng"])
+            self._sampler_rng = state["sampler_rng"]
+            for _ in range(state["yielded"]):   # skip without fetching
+                try:
+                    self._next_index()
+                except StopIteration:
+                    break
+            self._num_yielded = state["yielded"]
+        else:
+            self._sampler_rng = _resume.capture_rng(self._loader_generator)
+
+    def _next_data(self):
+        try:
+            return super()._next_data()
+        except StopIteration:
+            self._epoch_done = True
+            self._leave_state_with_loader()
+            raise
+
+    def _leave_state_with_loader(self):
+        loader = self._loader_ref()
+        if loader is not None:
+            loader.__dict__["_fl_final_state"] = self.state_dict()
+
+    def __del__(self):
+        try:
+            self._leave_state_with_loader()
+        except Exception:
+            pass
+
+    def state_dict(self):
+        return {"version": _resume.VERSION, "epoch": self._epoch,
+                "epoch_done": self._epoch_done, "base_seed": self._base_seed,
+                "sampler_rng": self._sampler_rng, "yielded": self._num_yielded,
+                "workers": []}

@@ -1,0 +1,51 @@
+"""Datasets for the resume tests (module level, so spawned workers import them)."""
+import random
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+
+class RandomAugmented(Dataset):
+    """Each sample draws from random, torch and numpy in the worker: a resume that
+    does not restore worker RNGs exactly gives different values."""
+
+    def __init__(self, n=60):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return {"i": i, "r": random.random(), "t": torch.rand(2), "np": np.random.rand()}
+
+
+class CountingStream(IterableDataset):
+    """Sharded by worker; with `stateful`, it can save and restore its position
+    (torchdata's Stateful protocol), otherwise a resume must replay."""
+
+    def __init__(self, n=45, stateful=True):
+        self.n = n
+        self.stateful = stateful
+        self._pos = 0
+
+    def __iter__(self):
+        info = get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info else (0, 1)
+        mine = list(range(wid, self.n, nw))
+        start, self._pos = self._pos, 0
+        for k in range(start, len(mine)):
+            self._pos = k + 1
+            yield {"x": mine[k], "noise": torch.rand(1)}
+
+    # only consulted when `stateful` (see __getattr__ trick below)
+    def _state_dict(self):
+        return {"pos": self._pos}
+
+    def _load_state_dict(self, state):
+        self._pos = state["pos"]
+
+    def __getattr__(self, name):
+        if name in ("state_dict", "load_state_dict") and self.__dict__.get("stateful"):
+            return getattr(self, "_" + name)
+        raise AttributeError(name)
