@@ -20,6 +20,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 from . import _core
 from . import resume as _resume
 from . import stats as _stats
+from .distributed import rank_info
 from .pool import STRATEGIES, WorkerPool, WorkerSpec
 
 # Slots per worker beyond its prefetched batches: the one the consumer holds, the
@@ -66,7 +67,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
                        self._collate_fn, self._drop_last, self._base_seed,
                        loader.worker_init_fn, wid, self._num_workers,
                        self._prefetch_factor + _EXTRA_SLOTS,
-                       getattr(loader, "snapshot_every_n_steps", 0))
+                       getattr(loader, "snapshot_every_n_steps", 0), rank_info())
             for wid in range(self._num_workers)
         ]
         self._pool = WorkerPool(

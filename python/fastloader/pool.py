@@ -42,6 +42,7 @@ class WorkerSpec:
     num_workers: int
     nslots: int
     snapshot_every: int = 0   # see resume.py
+    rank_text: str = ""       # " on rank R of W" in a distributed job, for messages
 
 
 class _Fd:
@@ -144,7 +145,9 @@ class WorkerPool:
         proc = self.procs[worker_id]
         proc.join(timeout=2.0)
         code = proc.exitcode
-        head = f"DataLoader worker {worker_id} (pid {self._pids[worker_id]})"
+        from .distributed import rank_info
+
+        head = f"DataLoader worker {worker_id} (pid {self._pids[worker_id]}){rank_info()}"
         if code is None:
             return f"{head} exited unexpectedly"
         if code < 0:

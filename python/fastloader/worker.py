@@ -31,12 +31,15 @@ def _seed(base_seed: int, worker_id: int) -> int:
     return seed
 
 
+_RANK_TEXT = ""   # set from the spec: " on rank R of W" in a distributed job
+
+
 def _wrap_exception(worker_id: int, seq: int, index):
     # torch's ExceptionWrapper keeps the traceback text; we add the batch it was
-    # building, which torch does not say.
+    # building (and the rank), which torch does not say.
     from torch._utils import ExceptionWrapper
 
-    return ExceptionWrapper(where=f"in DataLoader worker process {worker_id}"
+    return ExceptionWrapper(where=f"in DataLoader worker process {worker_id}{_RANK_TEXT}"
                             f" (batch {seq}, index {_short(index)})")
 
 
@@ -111,6 +114,8 @@ def worker_main(spec, handle, fds):
 
 
 def _serve(spec, chan):
+    global _RANK_TEXT
+    _RANK_TEXT = spec.rank_text
     torch.set_num_threads(1)
     wid = spec.worker_id
     seed = _seed(spec.base_seed, wid)
