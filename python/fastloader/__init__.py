@@ -2,9 +2,20 @@
 
     from fastloader import DataLoader   # was: from torch.utils.data import DataLoader
 """
-from . import _codec_hooks  # noqa: F401  (registers the codec with the C core)
-from ._core import FastLoaderError, WorkerError
-from .dataloader import DataLoader
-
 __version__ = "0.1.0"
+
+try:
+    from . import _codec_hooks  # noqa: F401  (registers the codec with the C core)
+    from ._core import FastLoaderError, WorkerError
+    from .dataloader import DataLoader
+except ImportError as _exc:   # pragma: no cover - a broken build
+    # Keep the package importable so that `python -m fastloader doctor` can say
+    # what is wrong; everything else raises this error when used.
+    _CORE_IMPORT_ERROR = _exc
+
+    def __getattr__(name):
+        raise ImportError(f"fastloader's C extension failed to import "
+                          f"({_CORE_IMPORT_ERROR}); reinstall with `pip install .` or run "
+                          "`python -m fastloader doctor`") from _CORE_IMPORT_ERROR
+
 __all__ = ["DataLoader", "FastLoaderError", "WorkerError", "__version__"]

@@ -12,14 +12,13 @@ from ._codec_hooks import CODE, DeferredStack, exportable
 def _stack_into_slot(batch, *, collate_fn_map=None):
     elem = batch[0]
     if exportable(elem) and not elem.is_nested:
-        shape, dtype, tensor = elem.shape, elem.dtype, torch.Tensor
-        # Cheap checks per sample (this runs for every sample of every batch); a
-        # sample on another device or layout makes torch.stack raise when filling,
-        # and that error reaches the main process like any other.
-        if all(type(t) is tensor and t.dtype == dtype and t.shape == shape for t in batch):
-            return DeferredStack(list(batch), (len(batch), *shape), CODE[dtype])
-    # Anything unusual (subclasses, mixed shapes or dtypes) takes torch's own path,
-    # which also raises torch's own errors.
+        # Like torch's worker-side collate, the output is sized and typed from
+        # the first sample and filled by torch.stack(..., out=...), so the other
+        # samples are checked by torch.stack itself, with torch's own errors
+        # (raised while the encoder fills the slot, and re-raised in the main
+        # process like any worker error).
+        return DeferredStack(batch, (len(batch), *elem.shape), CODE[elem.dtype])
+    # Anything unusual (subclasses, nested or sparse tensors) takes torch's path.
     return _tc.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
 
 

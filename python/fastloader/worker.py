@@ -2,6 +2,7 @@
 then fetch -> collate -> publish into the ring until told to stop."""
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import random
@@ -99,6 +100,11 @@ def _close_inherited_fds(keep):
 
 def worker_main(spec, handle, fds):
     """Entry point of a worker process (the multiprocessing target)."""
+    # A forked worker inherits the main process's heap, garbage included: its
+    # collector must neither run finalizers of the parent's objects (e.g. another
+    # loader's iterator stopping workers that are not its own) nor walk, and so
+    # dirty, every inherited page. Freezing moves them out of its sight.
+    gc.freeze()
     # Ctrl-C goes to the whole process group; the main process handles it and
     # shuts us down, so a worker must not print a KeyboardInterrupt traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
