@@ -73,10 +73,12 @@ def throughput_chart(summary, path):
     for x, workload in zip(positions, workloads):
         budget = workload["budget"]
         ax.hlines(budget, x - 0.42, x + 0.42, colors="black", linestyles="--", linewidth=1.5, zorder=3)
-        ax.annotate(f"budget {budget:g}x", (x + 0.42, budget), xytext=(2, 2),
-                    textcoords="offset points", fontsize=7, ha="right", va="bottom")
-        top = workload["paired_ratios"]["high"]
-        ax.annotate(f"{workload['ratio']:.2f}x", (x, max(top, workload["ratio"])), xytext=(0, 4),
+        # Budget text under its line, the ratio above both the error bar and
+        # the budget line, so neither collides with the other.
+        ax.annotate(f"budget {budget:g}x", (x + 0.42, budget), xytext=(0, -2),
+                    textcoords="offset points", fontsize=7, ha="right", va="top")
+        top = max(workload["paired_ratios"]["high"], workload["ratio"], budget)
+        ax.annotate(f"{workload['ratio']:.2f}x", (x, top), xytext=(0, 4),
                     textcoords="offset points", ha="center", fontsize=9, fontweight="bold")
     ax.axhline(1.0, color="#777777", linewidth=1, zorder=1)
     ax.set_yscale("log")
@@ -132,7 +134,7 @@ def scaling_chart(summary, path):
         ax.set_title(f"batch size {batch_size}", fontsize=10)
         ax.grid(alpha=0.3, which="both")
     axes[0][0].set_ylabel("samples/s (log), median and min-max")
-    axes[0][0].legend(fontsize=8, loc="lower right")
+    axes[0][0].legend(fontsize=8, loc="best")
     fig.suptitle("tiny samples: samples/s by workers and batch size (labels: fastloader/torch)\n"
                  + _subtitle(summary["scaling"]), fontsize=9)
     fig.tight_layout()

@@ -110,7 +110,7 @@ def main(argv=None):
 
     if "memory" in args.only:
         step_args = memory.parse_args(_sub_argv(args))
-        traces = memory.trace_loaders(step_args, fastloader_cls, step_prefix="memory ")
+        traces = memory.trace_loaders(step_args, fastloader_cls)
         summary["memory"] = {
             "benchmark": "memory",
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

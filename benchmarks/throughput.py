@@ -120,6 +120,9 @@ class WorkloadReport:
     paired_ratios: Stats
     data_agrees: bool
     runs: dict  # loader name -> [RunResult]
+    # Loader name -> Stats of the workers' CPU time per timed sample (us), or
+    # None where it could not be read (or the workload does not time epochs).
+    workers_cpu_us: dict
 
     @property
     def met(self):
@@ -241,6 +244,10 @@ def benchmark_workload(workload, args, loader_classes):
                            args.repeats, warmup, on_run, measure=workload.measure)
     value = {name: Stats.of(value_of(workload, r) for r in rs) for name, rs in runs.items()}
     first_batch_ms = {name: Stats.of(r.first_batch_s * 1e3 for r in rs) for name, rs in runs.items()}
+    workers_cpu_us = {}
+    for name, rs in runs.items():
+        per_sample = [getattr(r, "workers_cpu_us_per_sample", None) for r in rs]
+        workers_cpu_us[name] = None if None in per_sample else Stats.of(per_sample)
     paired_ratios = Stats.of(
         times_better(workload, value_of(workload, fast), value_of(workload, reference))
         for fast, reference in zip(runs[FASTLOADER], runs[TORCH])
@@ -253,6 +260,7 @@ def benchmark_workload(workload, args, loader_classes):
         paired_ratios=paired_ratios,
         data_agrees=checksums_agree(runs),
         runs=runs,
+        workers_cpu_us=workers_cpu_us,
     )
 
 
@@ -265,9 +273,18 @@ def _format_stats(stats, unit):
             f"({_format_rate(stats.low, unit)}-{_format_rate(stats.high, unit)})")
 
 
+def _format_cpu(workers_cpu_us):
+    fast, reference = workers_cpu_us.get(FASTLOADER), workers_cpu_us.get(TORCH)
+    if fast is None or reference is None:
+        return "-"
+    digits = 0 if min(fast.median, reference.median) >= 100 else 1
+    return f"{fast.median:,.{digits}f} / {reference.median:,.{digits}f}"
+
+
 def render_report(reports, args):
     headers = ["workload", "unit", "fastloader median (min-max)", "torch median (min-max)",
-               "ratio (per-repeat min-max)", "budget", "result", "1st batch ms fastloader / torch"]
+               "ratio (per-repeat min-max)", "budget", "result", "1st batch ms fastloader / torch",
+               "worker CPU us/sample fastloader / torch"]
     rows = []
     for report in reports:
         unit = report.workload.unit
@@ -280,6 +297,7 @@ def render_report(reports, args):
             report.workload.budget_text,
             report.verdict,
             f"{report.first_batch_ms[FASTLOADER].median:.0f} / {report.first_batch_ms[TORCH].median:.0f}",
+            _format_cpu(report.workers_cpu_us),
         ])
     notes = [
         "",
@@ -300,7 +318,10 @@ def render_report(reports, args):
         if not report.data_agrees:
             notes.append(f"WARNING: {report.workload.name}: the loaders delivered different data "
                          "(checksums differ), so its throughput does not count.")
-    return markdown_table(headers, rows, align="llrrrrlr") + "\n" + "\n".join(notes)
+    notes.append("Worker CPU us/sample: user+system CPU time of all workers in the timed window "
+                 "per sample (medians); unlike wall time it barely depends on the machine's other "
+                 "load, so it shows whether a loader adds work or just got fewer cycles.")
+    return markdown_table(headers, rows, align="llrrrrlrr") + "\n" + "\n".join(notes)
 
 
 def environment(fastloader_module):
@@ -337,6 +358,10 @@ def report_to_json(reports, args, fastloader_module):
                 "data_agrees": report.data_agrees,
                 "value": {name: asdict(stats) for name, stats in report.value.items()},
                 "first_batch_ms": {name: asdict(stats) for name, stats in report.first_batch_ms.items()},
+                "workers_cpu_us_per_sample": {
+                    name: None if stats is None else asdict(stats)
+                    for name, stats in report.workers_cpu_us.items()
+                },
                 "runs": {name: [asdict(run) for run in runs] for name, runs in report.runs.items()},
             }
             for report in reports

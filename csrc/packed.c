@@ -556,8 +556,13 @@ static PyObject *
 view_subscript(PyObject *self, PyObject *key)
 {
     PackedViewObject *v = VIEW(self);
-    if (PyIndex_Check(key)) {
-        Py_ssize_t k = PyNumber_AsSsize_t(key, PyExc_IndexError);
+    if (PyLong_CheckExact(key) || PyIndex_Check(key)) {
+        Py_ssize_t k = PyLong_CheckExact(key) ? PyLong_AsSsize_t(key)
+                                               : PyNumber_AsSsize_t(key, PyExc_IndexError);
+        if (k == -1 && PyErr_Occurred() && PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            PyErr_Clear();
+            return index_error(v);
+        }
         if (k == -1 && PyErr_Occurred())
             return NULL;
         if (k < 0)

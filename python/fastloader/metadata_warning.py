@@ -1,0 +1,250 @@
+"""A one-time warning for datasets whose metadata every worker will copy.
+
+A big Python list, tuple, dict or set held by the dataset (file names, labels,
+annotations) costs each worker a private copy: forked workers copy the pages they
+read (reading an object writes its reference count), and spawn/forkserver workers
+unpickle a copy at start-up. The iterator calls ``warn_if_heavy_metadata`` when it
+starts workers; it names the attribute, the estimated cost per worker and the fix
+(``fastloader.PackedStringArray`` / ``fastloader.PackedArray``).
+
+Silence it with ``warnings.filterwarnings("ignore", category=HeavyMetadataWarning)``.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Any, List, Optional
+
+__all__ = ["HeavyMetadataWarning", "warn_if_heavy_metadata", "find_heavy_metadata"]
+
+ITEM_THRESHOLD = 100_000          # items in one container
+BYTES_THRESHOLD = 64 << 20        # estimated bytes of one container and its items
+_SAMPLE = 64                      # items measured to estimate the rest
+_MAX_DEPTH = 3                    # dataset.attr.attr.attr (Subset -> dataset -> names)
+_MAX_CHILDREN = 32                # small containers of datasets (ConcatDataset) we look into
+_MIB = 1 << 20
+
+
+class HeavyMetadataWarning(UserWarning):
+    """A dataset keeps metadata in Python containers that every worker copies."""
+
+
+@dataclass(frozen=True)
+class Finding:
+    path: str            # "dataset.names", "dataset.dataset.samples", ...
+    type_name: str       # "list", "dict", "numpy object array", ...
+    items: int
+    nbytes: int          # estimated: the container plus its items
+    all_str: bool        # the sampled items are all str
+
+
+_warned: set = set()
+_lock = threading.Lock()
+
+
+def _deep_size(obj, depth: int = 0, budget: Optional[list] = None) -> int:
+    """sys.getsizeof of obj and (a few levels of) what it contains."""
+    if budget is None:
+        budget = [200]
+    budget[0] -= 1
+    size = sys.getsizeof(obj, 64)
+    if depth >= 3 or budget[0] <= 0:
+        return size
+    if isinstance(obj, dict):
+        for k, v in itertools.islice(obj.items(), 32):
+            size += _deep_size(k, depth + 1, budget) + _deep_size(v, depth + 1, budget)
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        for v in itertools.islice(obj, 32):
+            size += _deep_size(v, depth + 1, budget)
+    return size
+
+
+def _sample(container) -> list:
+    n = len(container)
+    if isinstance(container, (list, tuple)):
+        step = max(1, n // _SAMPLE)
+        return [container[i] for i in range(0, n, step)][:_SAMPLE]
+    if isinstance(container, dict):
+        return list(itertools.islice(container.items(), _SAMPLE))
+    return list(itertools.islice(container, _SAMPLE))
+
+
+def _examine(value) -> Optional[tuple]:
+    """(type name, items, estimated bytes, all str) for a container worth a warning."""
+    if isinstance(value, (list, tuple, dict, set, frozenset)):
+        n = len(value)
+        if n == 0:
+            return None
+        sample = _sample(value)
+        per_item = sum(_deep_size(x) for x in sample) / max(1, len(sample))
+        nbytes = int(sys.getsizeof(value) + per_item * n)
+        if n <= ITEM_THRESHOLD and nbytes <= BYTES_THRESHOLD:
+            return None
+        if isinstance(value, dict):
+            all_str = all(isinstance(k, str) and isinstance(v, str) for k, v in sample)
+        else:
+            all_str = all(isinstance(x, str) for x in sample)
+        return type(value).__name__, n, nbytes, all_str
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(value, np.ndarray) and value.dtype == object:
+        n = int(value.size)
+        if n <= ITEM_THRESHOLD:
+            return None
+        flat = value.reshape(-1)
+        step = max(1, n // _SAMPLE)
+        sample = [flat[i] for i in range(0, n, step)][:_SAMPLE]
+        per_item = sum(_deep_size(x) for x in sample) / max(1, len(sample))
+        nbytes = int(value.nbytes + per_item * n)
+        return "NumPy object array", n, nbytes, all(isinstance(x, str) for x in sample)
+    return None
+
+
+def _attributes(obj):
+    """(name, value) of an object's instance attributes (__dict__ and __slots__)."""
+    try:
+        yield from list(vars(obj).items())
+    except TypeError:
+        pass
+    seen = set()
+    for klass in type(obj).__mro__:
+        slots = klass.__dict__.get("__slots__", ())
+        if isinstance(slots, str):
+            slots = (slots,)
+        for name in slots:
+            if name in seen or name in ("__dict__", "__weakref__"):
+                continue
+            seen.add(name)
+            try:
+                yield name, getattr(obj, name)
+            except AttributeError:
+                pass
+
+
+def _is_holder(value) -> bool:
+    """An object whose attributes may hold metadata (a wrapped dataset, an index
+    object), as opposed to a function, class, module or the packed arrays themselves."""
+    import types
+
+    from . import _core
+
+    if isinstance(value, (type, types.ModuleType, types.FunctionType, types.MethodType,
+                          types.BuiltinFunctionType, _core.PackedView, str, bytes, int,
+                          float, complex, bool)):
+        return False
+    return hasattr(value, "__dict__") or hasattr(type(value), "__slots__")
+
+
+def find_heavy_metadata(dataset, root: str = "dataset") -> List[Finding]:
+    """The big Python containers reachable from `dataset` through attributes (a few
+    levels deep, through wrapped datasets such as Subset or ConcatDataset)."""
+    found: List[Finding] = []
+    visited = set()
+
+    def visit(obj, path, depth):
+        if id(obj) in visited or depth > _MAX_DEPTH:
+            return
+        visited.add(id(obj))
+        for name, value in _attributes(obj):
+            where = f"{path}.{name}"
+            if id(value) in visited:
+                continue
+            info = _examine(value)
+            if info is not None:
+                visited.add(id(value))
+                found.append(Finding(where, *info))
+                continue
+            if isinstance(value, (list, tuple)) and 0 < len(value) <= _MAX_CHILDREN:
+                for i, child in enumerate(value):
+                    if _is_holder(child):
+                        visit(child, f"{where}[{i}]", depth + 1)
+            elif _is_holder(value):
+                visit(value, where, depth + 1)
+
+    try:
+        visit(dataset, root, 0)
+    except Exception:   # a warning must never break a loader
+        pass
+    return found
+
+
+def _start_method_name(start_method) -> str:
+    if start_method is None:
+        import multiprocessing
+
+        return multiprocessing.get_start_method(allow_none=True) or "fork"
+    if hasattr(start_method, "get_start_method"):
+        return start_method.get_start_method()
+    return str(start_method)
+
+
+def _message(f: Finding, dataset, num_workers: int, method: str) -> str:
+    mib = f.nbytes / _MIB
+    total = mib * num_workers
+    holder = type(dataset).__qualname__
+    what = f"a Python {f.type_name}" if f.type_name != "NumPy object array" else \
+        "a NumPy array of Python objects"
+    if method == "fork":
+        how = ("each forked worker copies the pages it reads (reading a Python object "
+               "writes its reference count)")
+    else:
+        how = (f"each '{method}' worker unpickles its own copy at start-up (and the main "
+               "process pickles it once per worker)")
+    if f.all_str:
+        fix = (f"store it as fastloader.PackedStringArray({f.path.split('.')[-1]})" +
+               (" (for a dict: keys and values as two arrays)" if f.type_name == "dict" else ""))
+    else:
+        fix = (f"store it as fastloader.PackedArray({f.path.split('.')[-1]}) (records) or "
+               "fastloader.PackedStringArray (strings)" +
+               (", e.g. the keys and the values as two arrays" if f.type_name == "dict" else ""))
+    return (f"fastloader: `{f.path}` ({holder}) is {what} of {f.items:,} items, about "
+            f"{mib:,.0f} MiB; with {num_workers} DataLoader worker"
+            f"{'s' if num_workers != 1 else ''} ('{method}') {how}: about {mib:,.0f} MiB "
+            f"per worker, {total:,.0f} MiB in all. To share one copy instead, {fix}. "
+            "(Shown once.)")
+
+
+def _stacklevel() -> int:
+    """Point the warning at the first frame outside fastloader and torch (the user's
+    `for batch in loader`)."""
+    skip = tuple(os.path.dirname(m.__file__) + os.sep
+                 for m in (sys.modules.get("fastloader"), sys.modules.get("torch"))
+                 if m is not None and getattr(m, "__file__", None))
+    level = 1
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
+        frame = frame.f_back
+        level += 1
+    return level
+
+
+def warn_if_heavy_metadata(dataset, num_workers: int, start_method=None) -> List[Finding]:
+    """Warn (HeavyMetadataWarning, once per dataset class and attribute per process)
+    when a loader about to start `num_workers` workers with `start_method` ('fork',
+    'spawn', 'forkserver', a multiprocessing context, or None for the default) has a
+    dataset holding a big Python container: over ~100k items or ~64 MiB estimated.
+    Returns what it found (warned or not)."""
+    if not num_workers or num_workers <= 0:
+        return []
+    findings = find_heavy_metadata(dataset)
+    if not findings:
+        return findings
+    method = _start_method_name(start_method)
+    for f in findings:
+        key = (type(dataset).__module__, type(dataset).__qualname__, f.path)
+        with _lock:
+            if key in _warned:
+                continue
+            _warned.add(key)
+        warnings.warn(_message(f, dataset, num_workers, method), HeavyMetadataWarning,
+                      stacklevel=_stacklevel())
+    return findings
+
+
+def _reset_once_registry() -> None:
+    """Forget which warnings were shown (for tests)."""
+    with _lock:
+        _warned.clear()
