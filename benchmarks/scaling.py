@@ -1,6 +1,6 @@
 """How throughput scales with workers and batch size, fastloader against torch.
 
-    python -m benchmarks.scaling                 # 1,2,4 workers x batch 1,16,256 (~1.5 min)
+    python -m benchmarks.scaling                 # 1,2,4 workers x batch 1,16,256 (~1 min)
     python -m benchmarks.scaling --quick         # fewer batches, 1 repeat (~30 s)
     python -m benchmarks.scaling --workers 1,2 --batch-sizes 16 --repeats 5 --json out.json
 
@@ -38,10 +38,11 @@ from benchmarks.harness import (
 from benchmarks.throughput import FASTLOADER, TORCH, environment, import_fastloader, warmup_batches
 
 # Timed batches per batch size. Torch's per-batch cost dominates small
-# batches (~1.3 ms at batch 1 on the reference machine), so they get more
-# samples' worth of time: each cell's torch window is ~0.5-2.5 s, fastloader's
-# at least ~0.1 s (full run), and all 9 cells x 3 repeats fit in ~1.5 minutes.
-TIMED_BATCHES = {1: 2000, 16: 1000, 256: 400}
+# batches (~1-1.5 ms at batch 1 on the reference machine), so they get more
+# samples' worth of time: each cell's torch window is ~0.4-2 s, fastloader's
+# at least ~0.1 s (full run), and all 9 cells x 3 repeats take ~45 s on a
+# quiet 2-core box (2-3x that while other jobs load it).
+TIMED_BATCHES = {1: 1500, 16: 800, 256: 300}
 QUICK_TIMED_BATCHES = {1: 600, 16: 300, 256: 120}
 
 

@@ -18,9 +18,7 @@ def _no_shm_left_behind_by_the_session():
     before = helpers.shm_names()
     yield
     helpers.settle()
-    helpers.wait_until(lambda: not (helpers.shm_names() - before), 5)
-    left = helpers.shm_names() - before
-    assert not left, f"named segments left in /dev/shm by the test session: {sorted(left)}"
+    helpers.assert_no_shm_left(before)
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -39,12 +37,13 @@ def _no_worker_outlives_its_test(request):
     call = getattr(request.node, "_report_call", None)
     if call is None or call.failed:
         return  # a failed test's traceback still references its iterator: no extra noise
-    helpers.settle()
 
     def new_children():
         return helpers.loader_children() - before
 
-    helpers.wait_until(lambda: not new_children(), 5)
+    if new_children():  # cheap path first: a full gc per test adds up over the suite
+        helpers.settle()
+        helpers.wait_until(lambda: not new_children(), 5)
     left = []
     for pid in sorted(new_children()):
         try:

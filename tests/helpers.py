@@ -3,6 +3,7 @@ import contextlib
 import gc
 import glob
 import os
+import re
 import signal
 import time
 
@@ -206,6 +207,33 @@ def map_lines():
 
 def shm_names():
     return set(glob.glob(SHM_GLOB))
+
+
+_SHM_PID = re.compile(r"fastloader-(?:[a-z]+-)?(\d+)-")
+
+
+def _foreign(path):
+    """Best effort on a shared machine: a name embedding the pid of a live process that
+    is neither us nor one of our descendants belongs to someone else's session.
+    Names without a pid, or with a dead pid (a crash leftover), always count."""
+    match = _SHM_PID.search(os.path.basename(path))
+    if not match:
+        return False
+    pid = int(match.group(1))
+    if pid == os.getpid() or pid in loader_children() or is_gone(pid):
+        return False
+    return True
+
+
+def shm_left(before):
+    """fastloader-* entries in /dev/shm now that were not there in `before`."""
+    return {p for p in shm_names() - before if not _foreign(p)}
+
+
+def assert_no_shm_left(before, timeout=5):
+    wait_until(lambda: not shm_left(before), timeout)
+    left = shm_left(before)
+    assert not left, f"left in /dev/shm: {sorted(left)}"
 
 
 def settle():

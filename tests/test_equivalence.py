@@ -5,9 +5,9 @@ samplers, so neither loader sees RNG state the other consumed), iterates torch's
 and fastloader's, and compares batch lists with `assert_same_batches`: same
 types at every level, dtypes, shapes, values, dict key order.
 
-The full matrix runs under "fork" (cheap); "spawn" and "forkserver" (about 1-2 s
-per loader lifetime here, since workers import torch) get a few loaders that each
-exercise the whole codec at once.
+The matrix runs under "fork" (cheap); "spawn" and "forkserver" (2-5 s per loader
+lifetime on a 2-core box, since every worker imports torch) get a few loaders that
+each exercise the whole codec at once.
 """
 import os
 
@@ -34,7 +34,6 @@ TorchLoader = torch.utils.data.DataLoader
 FastLoader = fastloader.DataLoader
 STRATEGIES = ("file_descriptor", "file_system")
 
-__all__ = ["assert_same_batches"]  # re-exported for other test modules
 
 
 def run_both(make_kwargs, strategy, epochs=1, what=""):
@@ -57,6 +56,28 @@ def run_fast(make_kwargs, strategy, epochs=1):
     out = [b for _ in range(epochs) for b in collect(loader, what=f"fastloader {strategy}")]
     del loader
     return out
+
+
+def test_comparator_is_strict():
+    """assert_same_batches must itself catch what the tests rely on it to catch."""
+    ok = {"a": torch.ones(2), "b": ds.Sample(torch.zeros(1), 1, "x"), "c": np.float64(1.0)}
+    assert_same_batches(ok, clone_batch(ok))
+    wrong = [
+        {"b": ok["b"], "a": ok["a"], "c": ok["c"]},                        # key order
+        {**ok, "a": torch.ones(2, dtype=torch.float64)},                   # dtype
+        {**ok, "a": torch.ones(1, 2)},                                     # shape
+        {**ok, "a": torch.tensor([1.0, 2.0])},                             # values
+        {**ok, "b": tuple(ok["b"])},                                       # namedtuple -> tuple
+        {**ok, "c": 1.0},                                                  # np.float64 -> float
+        {**ok, "b": ds.Sample(torch.zeros(1), True, "x")},                 # int -> bool
+        {**ok, "b": ds.Sample(torch.zeros(1), 1, b"x")},                   # str -> bytes
+    ]
+    for other in wrong:
+        with pytest.raises(AssertionError):
+            assert_same_batches(ok, other)
+    a, b = ds.Batch(torch.ones(2), torch.zeros(2), [1]), ds.Batch(torch.ones(2), torch.ones(2), [1])
+    with pytest.raises(AssertionError):
+        assert_same_batches(a, b)
 
 
 # ---- the fork matrix -----------------------------------------------------------------

@@ -21,8 +21,9 @@ import fastloader
 from fastloader import DataLoader, FastLoaderError, WorkerError
 from tests import datasets as ds
 from tests.helpers import (
-    assert_same_batch_lists, clone_batch, collect, deadline, is_gone, is_reaped,
-    loader_children, map_lines, num_fds, num_maps, settle, shm_names, wait_until,
+    assert_no_shm_left, assert_same_batch_lists, clone_batch, collect, deadline, is_gone,
+    is_reaped, loader_children, map_lines, num_fds, num_maps, settle, shm_left, shm_names,
+    wait_until,
 )
 
 pytestmark = [pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")]
@@ -149,8 +150,7 @@ def test_worker_killed_from_outside(ctx, strategy):
     settle()
     assert wait_until(lambda: all(is_reaped(p) for p in others), 5), "workers left behind"
     if strategy == "file_system":
-        assert wait_until(lambda: not (shm_names() - shm_before), 5), \
-            f"left in /dev/shm: {shm_names() - shm_before}"
+        assert_no_shm_left(shm_before)
 
 
 @pytest.mark.parametrize("how,cause", [
@@ -299,11 +299,11 @@ def test_no_growth_after_200_partial_loaders():
             lifetime(i)
     settle()
     wait_until(lambda: loader_children() <= children0, 5)
-    fds1, maps1, children1, shm1 = num_fds(), num_maps(), loader_children(), shm_names()
+    fds1, maps1, children1 = num_fds(), num_maps(), loader_children()
     assert not (children1 - children0), f"processes left: {sorted(children1 - children0)}"
     assert fds1 - fds0 <= 2, f"fds grew from {fds0} to {fds1} over 200 loaders"
     assert maps1 - maps0 <= 8, f"mappings grew from {maps0} to {maps1} over 200 loaders"
-    assert not (shm1 - shm0), f"left in /dev/shm: {sorted(shm1 - shm0)}"
+    assert_no_shm_left(shm0)
 
 
 def test_file_system_segments_are_private_and_unlinked():
@@ -328,21 +328,24 @@ def test_file_system_segments_are_private_and_unlinked():
         assert stat.S_IMODE(mode) == 0o600, f"{line}: mode {oct(stat.S_IMODE(mode))}"
     del it, loader, held
     settle()
-    assert wait_until(lambda: not (shm_names() - shm_before), 5), \
-        f"left in /dev/shm: {sorted(shm_names() - shm_before)}"
+    assert_no_shm_left(shm_before)
 
 
 def test_file_descriptor_strategy_stays_out_of_dev_shm():
-    before = {line.split(None, 5)[-1] for line in map_lines() if "/dev/shm/" in line}
+    def shm_mappings():  # POSIX semaphores (/dev/shm/sem.*) are not data segments
+        return {line.split(None, 5)[-1] for line in map_lines()
+                if "/dev/shm/" in line and "/dev/shm/sem." not in line}
+
+    before = shm_mappings()
     shm_before = shm_names()
     loader = DataLoader(ds.TensorLabelDataset(n=40), batch_size=4, num_workers=2,
                         multiprocessing_context="fork", sharing_strategy="file_descriptor")
     with deadline(30):
         it = iter(loader)
         held = [next(it), next(it), next(it)]
-        after = {line.split(None, 5)[-1] for line in map_lines() if "/dev/shm/" in line}
+        after = shm_mappings()
         assert not (after - before), f"file_descriptor batches mapped from /dev/shm: {after - before}"
-        assert not (shm_names() - shm_before)
+        assert not shm_left(shm_before)
     del it, loader, held
 
 
@@ -372,8 +375,7 @@ def test_interpreter_exit_with_live_iterators(subprocess_env):
     pids = [int(p) for p in result.stdout.split()]
     assert len(pids) == 4, result.stdout
     assert wait_until(lambda: all(is_gone(p) for p in pids), 5), [p for p in pids if not is_gone(p)]
-    assert wait_until(lambda: not (shm_names() - shm_before), 5), \
-        f"left in /dev/shm: {sorted(shm_names() - shm_before)}"
+    assert_no_shm_left(shm_before)
 
 
 def test_main_process_killed(subprocess_env):
@@ -395,5 +397,4 @@ def test_main_process_killed(subprocess_env):
     assert len(pids) == 2, (result.stdout, result.stderr)
     assert wait_until(lambda: all(is_gone(p) for p in pids), 10), \
         f"workers still running 10 s after the main process died: {[p for p in pids if not is_gone(p)]}"
-    assert wait_until(lambda: not (shm_names() - shm_before), 5), \
-        f"left in /dev/shm: {sorted(shm_names() - shm_before)}"
+    assert_no_shm_left(shm_before)
