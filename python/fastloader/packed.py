@@ -43,7 +43,8 @@ from typing import Any, Iterable, Optional, Union
 from . import _core
 from ._core import FastLoaderError
 
-__all__ = ["PackedStringArray", "PackedArray", "PackedFormatError", "load"]
+__all__ = ["PackedStringArray", "PackedArray", "PackedFormatError", "load",
+           "attach_node_handle"]
 
 STRATEGIES = ("file_descriptor", "file_system")
 _DEFAULT_STRATEGY = "file_descriptor"
@@ -255,6 +256,33 @@ def _attach(cls, handle, start, step, length):
     return _core.PackedView.__new__(cls, seg, seg.mapping, start, step, length)
 
 
+def attach_node_handle(handle):
+    """The packed array described by ``node_handle()`` in another process."""
+    cls_name, how, start, step, length = handle
+    cls = {c.__name__: c for c in _CLASSES.values()}.get(cls_name)
+    if cls is None:
+        raise ValueError(f"fastloader: not a packed-array handle: {handle!r}")
+    if how[0] != "procfd":
+        return _attach(cls, how, start, step, length)
+    _, pid, fd_number, size, ident = how
+    path = f"/proc/{pid}/fd/{fd_number}"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise FastLoaderError(f"fastloader: cannot attach to the packed array of process "
+                              f"{pid} ({exc}); is it still running, as this user?") from exc
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != ident or st.st_size != size:
+            raise FastLoaderError(f"fastloader: {path} is no longer the packed array that "
+                                  f"process {pid} shared")
+        seg = _Segment("memfd", "file_descriptor", fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+    return _core.PackedView.__new__(cls, seg, seg.mapping, start, step, length)
+
+
 def _spawning() -> bool:
     from multiprocessing import context
 
@@ -327,6 +355,21 @@ class _PackedBase(_core.PackedView):
         if sharing_strategy == self.sharing_strategy:
             return self
         return _from_bytes(type(self), self._serialize(), sharing_strategy)
+
+    def node_handle(self):
+        """A small picklable handle with which any process of this user on this
+        machine (another rank, not only a child) attaches to the same pages through
+        ``attach_node_handle(handle)``, while this process keeps the array alive.
+        (fastloader.distributed.share_on_node exchanges it between local ranks.)"""
+        seg = self._storage
+        if seg.kind == "shm":
+            how = ("shm", seg.name, seg.size, seg.ident)
+        elif seg.kind == "file" and seg.path is not None:
+            how = ("path", seg.path, seg.size, seg.ident)
+        else:   # a memfd: reachable through /proc/<pid>/fd/<n> of a process that holds it
+            st = os.fstat(seg.fd)
+            how = ("procfd", os.getpid(), seg.fd, seg.size, (st.st_dev, st.st_ino))
+        return (type(self).__name__, how, self._start, self._step, len(self))
 
     def __reduce__(self):
         if _spawning():

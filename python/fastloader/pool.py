@@ -69,6 +69,16 @@ def _fd_arg(fd: int):
     return _Fd(fd) if fd >= 0 else -1
 
 
+def _explain_start_error(exc, method):
+    import pickle
+
+    if isinstance(exc, (TypeError, AttributeError, pickle.PicklingError)):
+        raise type(exc)(
+            f"{exc}\nfastloader: the worker process's arguments (dataset, collate_fn, "
+            f"worker_init_fn) must be picklable under the '{method}' start method") from exc
+    raise exc
+
+
 def _quiet_sigint():
     """Start children with SIGINT ignored (the disposition survives fork and
     exec, and a forkserver started now passes it on), so a Ctrl-C during a
@@ -102,14 +112,30 @@ class WorkerPool:
         with _LIVE_LOCK:
             _LIVE_POOLS.add(self)
         try:
-            for spec in specs:
-                self._start_one(context, spec, strategy, task_capacity, result_capacity)
+            self._start_all(context, specs, strategy, task_capacity, result_capacity)
         except BaseException:
             self.shutdown()
             raise
         self.channel_tuple = tuple(self.channels)
 
-    def _start_one(self, context, spec, strategy, task_capacity, result_capacity):
+    def _start_all(self, context, specs, strategy, task_capacity, result_capacity):
+        method = context.get_start_method()
+        if method == "fork" or len(specs) == 1:
+            # One at a time: a forked worker inherits every fd open at that moment,
+            # and should not hold its later siblings' channel ends.
+            for spec in specs:
+                proc = self._prepare(context, spec, strategy, task_capacity, result_capacity)
+                self._launch([proc], method)
+            return
+        # spawn/forkserver: Process.start() writes the pickled dataset into a pipe
+        # that the child reads only after importing the main module (seconds,
+        # with torch); started one after the other, big datasets would serialise
+        # the workers' start-up. Start them all at once instead.
+        procs = [self._prepare(context, spec, strategy, task_capacity, result_capacity)
+                 for spec in specs]
+        self._launch(procs, method)
+
+    def _prepare(self, context, spec, strategy, task_capacity, result_capacity):
         ch = _core.MainChannel(spec.worker_id, strategy, self.prefix, task_capacity,
                                result_capacity)
         self.channels.append(ch)
@@ -117,25 +143,41 @@ class WorkerPool:
         h = ch.handle()
         fds = (_fd_arg(h["ctl_fd"]), _fd_arg(h["efd_main"]), _fd_arg(h["efd_worker"]),
                _fd_arg(h["sock"]))
-        proc = context.Process(target=worker_main, args=(spec, h, fds), daemon=True)
+        return context.Process(target=worker_main, args=(spec, h, fds), daemon=True)
+
+    def _launch(self, procs, method):
+        errors = [None] * len(procs)
+
+        def start(i):
+            try:
+                procs[i].start()
+            except BaseException as exc:   # re-raised below, in the caller's thread
+                errors[i] = exc
+
         old_mask, old_handler = _quiet_sigint()
         try:
-            proc.start()
-        except Exception as exc:
-            import pickle
-
-            if isinstance(exc, (TypeError, AttributeError, pickle.PicklingError)):
-                raise type(exc)(
-                    f"{exc}\nfastloader: the worker process's arguments (dataset, "
-                    f"collate_fn, worker_init_fn) must be picklable under the "
-                    f"'{context.get_start_method()}' start method") from exc
-            raise
+            if len(procs) == 1:
+                start(0)
+            else:
+                threads = [threading.Thread(target=start, args=(i,), daemon=True)
+                           for i in range(len(procs))]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
         finally:
             _restore_sigint(old_mask, old_handler)
-        self.procs.append(proc)
-        self._pids.append(proc.pid)
-        ch.started(proc.pid)
-        MAIN_FDS.update(ch.main_fds())
+        first = len(self.procs)
+        for i, proc in enumerate(procs):
+            if errors[i] is None:
+                self.procs.append(proc)
+                self._pids.append(proc.pid)
+                ch = self.channels[first + i]
+                ch.started(proc.pid)
+                MAIN_FDS.update(ch.main_fds())
+        for exc in errors:
+            if exc is not None:
+                _explain_start_error(exc, method)
 
     @property
     def pids(self):
