@@ -23,8 +23,15 @@ install: $(DEPS)
 test: install
 	$(VPY) -m pytest -q tests
 
-bench: install
-	$(VPY) -m benchmarks.throughput
+BENCH_DEPS := $(VENV)/.bench-deps-stamp
+$(BENCH_DEPS): requirements-bench.txt $(DEPS)
+	$(VPY) -m pip install -q --disable-pip-version-check -r requirements-bench.txt
+	touch $@
+
+# The headline benchmark: every workload against torch's DataLoader in the same
+# run, the budget table, and PNG charts in benchmarks/results/.
+bench: install $(BENCH_DEPS)
+	$(VPY) -m benchmarks.run
 
 # AddressSanitizer + UBSan build of the C core; Python itself is not instrumented,
 # so the runtime is preloaded. Leak detection is off here (CPython's own

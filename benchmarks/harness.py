@@ -148,7 +148,10 @@ def time_one_epoch(loader, warmup_batches):
     start = time.perf_counter()
     iterator = iter(loader)
     pids = iterator_worker_pids(iterator)
-    last_index = len(loader) - 1 if pids else -1
+    try:
+        last_index = len(loader) - 1 if pids else -1
+    except TypeError:  # an IterableDataset without __len__: no worker CPU figure
+        last_index = -1
     # Not enumerate(): its reused result tuple keeps the previous batch alive
     # while the next one is being fetched.
     for batch in iterator:

@@ -128,13 +128,17 @@ def run_in_subprocess(spec, timeout=600):
 # ---- 2. time to first batch under spawn -----------------------------------------------------
 
 def time_to_first_batch(loader_cls, dataset, method):
-    loader = loader_cls(dataset, batch_size=TTFB_BATCH, shuffle=True, num_workers=WORKERS,
+    # A short random epoch over the whole dataset (every worker still gets all the
+    # names): it ends normally, so no worker is stopped while it is still starting.
+    sampler = torch.utils.data.RandomSampler(dataset, num_samples=TTFB_BATCH * 4 * WORKERS)
+    loader = loader_cls(dataset, batch_size=TTFB_BATCH, sampler=sampler, num_workers=WORKERS,
                         multiprocessing_context=method)
     t = time.perf_counter()
     it = iter(loader)
     next(it)
     elapsed = time.perf_counter() - t
-    it._shutdown_workers()
+    for _ in it:
+        pass
     del it, loader
     gc.collect()
     return elapsed

@@ -1,7 +1,7 @@
 """Steady-state throughput of fastloader.DataLoader against torch's DataLoader.
 
-    python -m benchmarks.throughput                  # full run (what `make bench` runs)
-    python -m benchmarks.throughput --quick          # smoke run, ~30 s
+    python -m benchmarks.throughput                  # full run (part of `python -m benchmarks.run`)
+    python -m benchmarks.throughput --quick          # smoke run, ~45 s
     python -m benchmarks.throughput --workloads tiny,image --repeats 7 --json out.json
     python -m benchmarks.throughput --context spawn
 

@@ -701,11 +701,18 @@ dec_obj(dec *d, int depth)
         PyObject *arr = dec_array(d, &typenum);
         if (arr == NULL)
             return NULL;
-        PyObject *c = PyLong_FromLong(code);
-        PyObject *t = c ? PyObject_CallFunctionObjArgs(d->st->hook_to_tensor, arr, c,
-                                                       rg ? Py_True : Py_False, NULL)
-                        : NULL;
-        Py_XDECREF(c);
+        PyObject *t;
+        if (!rg && code >= 0 && code < 64 && d->st->plain_code[code] && d->st->from_numpy) {
+            /* the common case, without a Python-level call per tensor */
+            t = PyObject_CallOneArg(d->st->from_numpy, arr);
+        }
+        else {
+            PyObject *c = PyLong_FromLong(code);
+            t = c ? PyObject_CallFunctionObjArgs(d->st->hook_to_tensor, arr, c,
+                                                 rg ? Py_True : Py_False, NULL)
+                  : NULL;
+            Py_XDECREF(c);
+        }
         Py_DECREF(arr);
         return t;
     }

@@ -49,6 +49,8 @@ typedef struct {
     PyObject *hook_dumps;      /* obj -> (bytes, [out-of-band tensors]) */
     PyObject *hook_loads;      /* (buffer, [tensors]) -> obj */
     PyObject *class_cache;     /* pickled class bytes -> class, for namedtuples */
+    PyObject *from_numpy;      /* torch.from_numpy: the whole decode for plain dtypes */
+    uint8_t plain_code[64];    /* dtype codes that from_numpy alone gets right */
 } fl_state;
 
 fl_state *fl_get_state_from_type(PyTypeObject *tp);

@@ -6,6 +6,7 @@
 #include "packed.h"
 #include "ring.h"
 #include <numpy/arrayobject.h>
+#include <string.h>
 
 static struct PyModuleDef fl_module;
 
@@ -40,6 +41,30 @@ set_hooks(PyObject *module, PyObject *args)
                            &st->hook_dumps,  &st->hook_loads};
     for (int i = 0; i < 8; i++)
         Py_XSETREF(*slots[i], Py_NewRef(h[i]));
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(set_fast_tensor_doc,
+"set_fast_tensor(from_numpy, plain_codes)\n--\n\n"
+"Tensors whose dtype code is listed in `plain_codes` (bytes) and that do not\n"
+"require grad are decoded by calling `from_numpy` on the slot view directly.");
+
+static PyObject *
+set_fast_tensor(PyObject *module, PyObject *args)
+{
+    fl_state *st = fl_module_state(module);
+    PyObject *fn;
+    Py_buffer codes;
+    if (!PyArg_ParseTuple(args, "Oy*", &fn, &codes))
+        return NULL;
+    memset(st->plain_code, 0, sizeof(st->plain_code));
+    for (Py_ssize_t i = 0; i < codes.len; i++) {
+        uint8_t c = ((const uint8_t *)codes.buf)[i];
+        if (c < sizeof(st->plain_code))
+            st->plain_code[c] = 1;
+    }
+    PyBuffer_Release(&codes);
+    Py_XSETREF(st->from_numpy, Py_NewRef(fn));
     Py_RETURN_NONE;
 }
 
@@ -102,6 +127,7 @@ recv(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 
 static PyMethodDef module_methods[] = {
     {"set_hooks", set_hooks, METH_VARARGS, set_hooks_doc},
+    {"set_fast_tensor", set_fast_tensor, METH_VARARGS, set_fast_tensor_doc},
     {"encode", encode, METH_O, encode_doc},
     {"decode", decode, METH_O,
      PyDoc_STR("decode(buffer) -> object\n--\n\nInverse of encode(); raises on bad bytes.")},
@@ -186,6 +212,7 @@ module_traverse(PyObject *m, visitproc visit, void *arg)
     Py_VISIT(st->hook_dumps);
     Py_VISIT(st->hook_loads);
     Py_VISIT(st->class_cache);
+    Py_VISIT(st->from_numpy);
     return 0;
 }
 
@@ -208,6 +235,7 @@ module_clear(PyObject *m)
     Py_CLEAR(st->hook_dumps);
     Py_CLEAR(st->hook_loads);
     Py_CLEAR(st->class_cache);
+    Py_CLEAR(st->from_numpy);
     return 0;
 }
 

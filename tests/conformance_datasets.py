@@ -41,8 +41,7 @@ def describe_worker(owner):
     if info is None:
         return {"in_worker": False, "id": -1, "num_workers": 0, "seed": "", "repr": "",
                 "dataset_is_replica": False, "initial_seed": str(torch.initial_seed()),
-                "threads": torch.get_num_threads(), "daemon": False, "frozen": "",
-                "thread_name": ""}
+                "threads": torch.get_num_threads(), "daemon": False, "frozen": ""}
     try:
         info.id = 99
         frozen = "assignment allowed"
@@ -59,7 +58,6 @@ def describe_worker(owner):
         "threads": torch.get_num_threads(),
         "daemon": multiprocessing.current_process().daemon,
         "frozen": frozen,
-        "thread_name": _thread_name(),
     }
 
 
@@ -187,6 +185,19 @@ class StatefulDataset(Dataset):
         info = get_worker_info()
         return {"index": index, "calls": self.calls, "pid": os.getpid(),
                 "worker": -1 if info is None else info.id}
+
+
+class ProcessEnvDataset(Dataset):
+    """What a worker process looks like from the inside (beyond WorkerInfo)."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        return {"index": index, "thread_name": _thread_name(),
+                "intra_op_threads": torch.get_num_threads(),
+                "daemon": multiprocessing.current_process().daemon,
+                "is_main_thread": _gettid() == os.getpid()}
 
 
 class StartMethodDataset(Dataset):

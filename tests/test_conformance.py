@@ -693,6 +693,17 @@ def test_seeds_from_global_rng(nw, shuffle):
     conform(scenario)
 
 
+def test_worker_process_environment():
+    """Inside a worker: the thread name torch gives it ("pt_data_worker", what top and
+    py-spy show), one intra-op thread, a daemonic process, user code on the main
+    thread."""
+    def scenario(DL):
+        return list(DL(cds.ProcessEnvDataset(), batch_size=2, num_workers=2,
+                       multiprocessing_context="fork"))
+
+    conform(scenario)
+
+
 @pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.parametrize("nw", [0, 2])
 def test_get_worker_info_is_none_in_main_process(nw, persistent):

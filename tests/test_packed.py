@@ -397,6 +397,24 @@ def test_child_process_attaches_to_the_same_pages(method, strategy):
     assert proc.exitcode == 0 and pid != os.getpid()
 
 
+def test_node_handle_lets_an_unrelated_process_attach(subprocess_env):
+    """What fastloader.distributed.share_on_node exchanges between local ranks."""
+    arrays = [PackedStringArray(pds.make_names(50))[3:40:2],
+              PackedArray([{"a": i} for i in range(5)], sharing_strategy="file_system")]
+    code = ("import pickle, sys\n"
+            "from fastloader.packed import attach_node_handle\n"
+            "handles = pickle.load(sys.stdin.buffer)\n"
+            "print(repr([attach_node_handle(h).tolist() for h in handles]))\n")
+    done = subprocess.run([sys.executable, "-c", code], env=subprocess_env, timeout=60,
+                          input=pickle.dumps([a.node_handle() for a in arrays]),
+                          capture_output=True)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    assert eval(done.stdout.decode()) == [a.tolist() for a in arrays]
+    with pytest.raises(FastLoaderError, match="cannot attach"):
+        packed_mod.attach_node_handle(("PackedStringArray", ("procfd", 2**22 + 7, 3, 100, (0, 0)),
+                                       0, 1, 1))
+
+
 # ---- segments: memfd, named, files -------------------------------------------------------------
 
 def test_memfd_segment_is_sealed_and_freed():
@@ -661,6 +679,12 @@ def test_warning_finds_nested_dicts_tuples_and_object_arrays(fresh_warning_regis
     with pytest.warns(HeavyMetadataWarning, match="NumPy array of Python objects"):
         warn_if_heavy_metadata(objs, 1, "fork")
     assert find_heavy_metadata(fixed) == []
+    with pytest.warns(HeavyMetadataWarning, match=r"a NumPy array \(np.asarray\(indices\)\)"):
+        warn_if_heavy_metadata(torch.utils.data.Subset(fixed, list(range(10**6, 10**6 + 150_000))),
+                               2, "fork")
+    with pytest.warns(HeavyMetadataWarning, match=r"`dataset` \(the dataset itself\) is a Python "
+                                                  r"list of 150,000 items"):
+        warn_if_heavy_metadata(pds.make_names(150_000), 2, "forkserver")
 
 
 def _iterator_calls_the_warning():

@@ -167,3 +167,5 @@ def loads(data, oob):
 
 _core.set_hooks(torch.Tensor, DeferredStack, export_tensor, plan_stack, fill_stack,
                 to_tensor, dumps, loads)
+_core.set_fast_tensor(torch.from_numpy,
+                      bytes(code for code in range(len(DTYPES)) if not _NEEDS_VIEW[code]))

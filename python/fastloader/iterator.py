@@ -130,8 +130,8 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         # batch (and the one of the epoch's start), and the tasks delivered since
         self._snap = [None] * self._num_workers
         self._epoch_snap = [None] * self._num_workers
-        self._since_snap = [[] for _ in range(self._num_workers)]
-        self._epoch_tasks = [[] for _ in range(self._num_workers)]
+        self._since_snap = [_resume.SeqRuns() for _ in range(self._num_workers)]
+        self._epoch_tasks = [_resume.SeqRuns() for _ in range(self._num_workers)]
         self._delivered_ahead = set()   # in_order=False: delivered seqs past _rcvd_idx
         if not first_iter:
             for ch in self._channels:
@@ -155,7 +155,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         _resume.restore_rng(self._loader_generator, state["sampler_rng"])
         target = state["next_seq"]
         skip = set(state.get("delivered_ahead", ()))
-        needed = {seq for w in state["workers"] for seq in w["replay"]}
+        needed = {seq for w in state["workers"] for seq in _resume.SeqRuns(w["replay"])}
         index_of = {}
         for seq in range(target):
             try:
@@ -171,13 +171,13 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             ch = self._channels[wid]
             if w["snapshot"] is not None:
                 self._put_control(ch, (_CONTROL_RESTORE, w["snapshot"]))
-            for seq in w["replay"]:
+            for seq in _resume.SeqRuns(w["replay"]):
                 if seq in index_of:
                     self._put_control(ch, (_CONTROL_REPLAY, index_of[seq]))
             self._snap[wid] = w.get("snap_entry")
             self._epoch_snap[wid] = w.get("epoch_snap_entry")
-            self._since_snap[wid] = list(w["replay"])
-            self._epoch_tasks[wid] = list(w.get("epoch_tasks", ()))
+            self._since_snap[wid] = _resume.SeqRuns(w["replay"])
+            self._epoch_tasks[wid] = _resume.SeqRuns(w.get("epoch_tasks", ()))
         self._send_idx = self._rcvd_idx = target
         start = state["next_worker"]
         self._cycle_order = [(start + i) % self._num_workers for i in range(self._num_workers)]
@@ -203,8 +203,8 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
                 "snapshot": entry[1] if entry else None,
                 "snap_entry": entry,
                 "epoch_snap_entry": self._epoch_snap[wid],
-                "replay": list(replay),
-                "epoch_tasks": list(self._epoch_tasks[wid]),
+                "replay": replay.export(),   # runs of (start, step, count)
+                "epoch_tasks": self._epoch_tasks[wid].export(),
             })
         nxt = self._task_info.get(self._rcvd_idx, (None,))[0]
         if nxt is None:   # nothing outstanding: the cycle's next pick
@@ -339,7 +339,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         if snap is not None:
             entry = (seq, snap)
             self._snap[worker_idx] = entry
-            self._since_snap[worker_idx] = [seq]
+            self._since_snap[worker_idx] = _resume.SeqRuns([(seq, 0, 1)])
             if self._epoch_snap[worker_idx] is None:
                 self._epoch_snap[worker_idx] = entry
         else:

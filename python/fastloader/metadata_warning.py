@@ -40,6 +40,7 @@ class Finding:
     items: int
     nbytes: int          # estimated: the container plus its items
     all_str: bool        # the sampled items are all str
+    numeric: bool = False  # the sampled items are all int / float / bool
 
 
 _warned: set = set()
@@ -86,9 +87,11 @@ def _examine(value) -> Optional[tuple]:
             return None
         if isinstance(value, dict):
             all_str = all(isinstance(k, str) and isinstance(v, str) for k, v in sample)
+            numeric = False
         else:
             all_str = all(isinstance(x, str) for x in sample)
-        return type(value).__name__, n, nbytes, all_str
+            numeric = all(isinstance(x, (int, float)) for x in sample)
+        return type(value).__name__, n, nbytes, all_str, numeric
     np = sys.modules.get("numpy")
     if np is not None and isinstance(value, np.ndarray) and value.dtype == object:
         n = int(value.size)
@@ -165,7 +168,11 @@ def find_heavy_metadata(dataset, root: str = "dataset") -> List[Finding]:
                 visit(value, where, depth + 1)
 
     try:
-        visit(dataset, root, 0)
+        info = _examine(dataset)   # DataLoader(list_of_samples) is a container itself
+        if info is not None:
+            found.append(Finding(root, *info))
+        else:
+            visit(dataset, root, 0)
     except Exception:   # a warning must never break a loader
         pass
     return found
@@ -184,7 +191,7 @@ def _start_method_name(start_method) -> str:
 def _message(f: Finding, dataset, num_workers: int, method: str) -> str:
     mib = f.nbytes / _MIB
     total = mib * num_workers
-    holder = type(dataset).__qualname__
+    holder = type(dataset).__qualname__ if f.path != "dataset" else "the dataset itself"
     what = f"a Python {f.type_name}" if f.type_name != "NumPy object array" else \
         "a NumPy array of Python objects"
     if method == "fork":
@@ -193,11 +200,14 @@ def _message(f: Finding, dataset, num_workers: int, method: str) -> str:
     else:
         how = (f"each '{method}' worker unpickles its own copy at start-up (and the main "
                "process pickles it once per worker)")
-    if f.all_str:
-        fix = (f"store it as fastloader.PackedStringArray({f.path.split('.')[-1]})" +
+    short = f.path.split(".")[-1]
+    if f.numeric:
+        fix = f"store it as a NumPy array (np.asarray({short})) or a tensor: no object per item"
+    elif f.all_str:
+        fix = (f"store it as fastloader.PackedStringArray({short})" +
                (" (for a dict: keys and values as two arrays)" if f.type_name == "dict" else ""))
     else:
-        fix = (f"store it as fastloader.PackedArray({f.path.split('.')[-1]}) (records) or "
+        fix = (f"store it as fastloader.PackedArray({short}) (records) or "
                "fastloader.PackedStringArray (strings)" +
                (", e.g. the keys and the values as two arrays" if f.type_name == "dict" else ""))
     return (f"fastloader: `{f.path}` ({holder}) is {what} of {f.items:,} items, about "

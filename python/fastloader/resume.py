@@ -27,6 +27,39 @@ VERSION = 1
 
 
 # -- main process ------------------------------------------------------------------
+class SeqRuns:
+    """Increasing batch numbers kept as runs (start, step, count): a worker's
+    tasks are mostly every num_workers-th batch, so an epoch of a million
+    batches costs a few runs, not a million list entries."""
+
+    __slots__ = ("runs",)
+
+    def __init__(self, runs=()):
+        self.runs = [list(r) for r in runs]
+
+    def append(self, seq):
+        runs = self.runs
+        if runs:
+            last = runs[-1]
+            start, step, count = last
+            if count == 1 and seq > start:
+                last[1], last[2] = seq - start, 2
+                return
+            if seq == start + step * count:
+                last[2] = count + 1
+                return
+        runs.append([seq, 0, 1])
+
+    def __iter__(self):
+        for start, step, count in self.runs:
+            for k in range(count):
+                yield start + step * k
+
+    def export(self):
+        return [tuple(r) for r in self.runs]
+
+
+
 def capture_rng(generator):
     return (generator.get_state() if generator is not None else torch.get_rng_state()).clone()
 
