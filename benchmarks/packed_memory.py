@@ -155,6 +155,8 @@ def ttfb_section(args):
         "torch + list": (torch.utils.data.DataLoader, mds.NamesDataset(names)),
         "fastloader + packed": (_loader_class("fastloader"), mds.NamesDataset(packed)),
         "torch + packed": (torch.utils.data.DataLoader, mds.NamesDataset(packed)),
+        # the floor: starting two interpreters that import torch, no names at all
+        "fastloader, no names": (_loader_class("fastloader"), mds.NoNamesDataset(n)),
     }
     times = {k: [] for k in configs}
     order = list(configs)
@@ -180,7 +182,8 @@ def ttfb_section(args):
                             "vs torch + list"], rows)
     summary = (f"\nfastloader + packed vs torch + list: **{ratio:.2f}x** "
                f"(per-repeat {min(paired):.2f}-{max(paired):.2f}), budget <= {TTFB_BUDGET}x: "
-               f"{verdict}. {n:,} names, {args.repeats} alternating repeats.")
+               f"{verdict}. {n:,} names, {args.repeats} alternating repeats. \"no names\" is "
+               "the floor: the same loader and workers with a dataset that holds nothing.")
     del names, packed, configs
     gc.collect()
     return table + summary, {"names": n, "seconds": times, "ratio": ratio, "verdict": verdict}

@@ -383,6 +383,8 @@ decode_item(PackedViewObject *v, Py_ssize_t i)
         /* surrogateescape: file names that are not UTF-8 round-trip as os.listdir()
          * returns them; valid UTF-8 takes the decoder's fast path regardless. */
         return PyUnicode_DecodeUTF8(p, n, "surrogateescape");
+    if (v->loads == NULL)   /* cleared by the garbage collector, mid-cycle */
+        return PyErr_Format(PyExc_ValueError, "fastloader: packed array was cleared");
     /* The memoryview lives only for the call: pickle copies what it keeps. */
     PyObject *mv = PyMemoryView_FromMemory((char *)p, n, PyBUF_READ);
     if (mv == NULL)
@@ -1493,20 +1495,29 @@ scan_dir(scan_ctx *c, int fd)
         size_t n = strlen(name);
         int type = e->d_type, via_link = 0;
         struct stat st;
-        if (type == DT_LNK || type == DT_UNKNOWN) {
-            /* a symbolic link counts as what it points to (a link to a file is a
-             * file, as in os.walk); a dangling one, or an entry removed meanwhile,
-             * is skipped */
-            via_link = type == DT_LNK;
-            if (fstatat(dirfd(d), name, &st, via_link ? 0 : AT_SYMLINK_NOFOLLOW) < 0) {
+        /* Some filesystems do not fill d_type: ask. An entry removed meanwhile, or a
+         * dangling symbolic link, is skipped. */
+        if (type == DT_UNKNOWN) {
+            if (fstatat(dirfd(d), name, &st, AT_SYMLINK_NOFOLLOW) < 0) {
                 if (errno == ENOENT)
                     continue;
                 rc = scan_fail(c, errno, name);
                 break;
             }
+            type = S_ISLNK(st.st_mode) ? DT_LNK : S_ISDIR(st.st_mode) ? DT_DIR
+                 : S_ISREG(st.st_mode) ? DT_REG : DT_UNKNOWN;
+        }
+        /* a symbolic link counts as what it points to (a link to a file is a file,
+         * as in os.walk) */
+        if (type == DT_LNK) {
+            via_link = 1;
+            if (fstatat(dirfd(d), name, &st, 0) < 0) {
+                if (errno == ENOENT || errno == ELOOP)
+                    continue;
+                rc = scan_fail(c, errno, name);
+                break;
+            }
             type = S_ISDIR(st.st_mode) ? DT_DIR : S_ISREG(st.st_mode) ? DT_REG : DT_UNKNOWN;
-            if (S_ISLNK(st.st_mode))
-                via_link = 1, type = DT_UNKNOWN;
         }
         if (type == DT_REG) {
             if (suffix_match(c, name, n) && (rc = scan_add(c, name, n)) < 0)
@@ -1650,7 +1661,7 @@ packed_scan(PyObject *Py_UNUSED(module), PyObject *args)
         c.anc[0].ino = st.st_ino;
         rc = scan_dir(&c, fd);
     }
-    if (rc == 0) {
+    if (rc == 0 && c.nents > 0) {
         qsort_r(c.ents, c.nents, sizeof(scan_ent), ent_cmp, c.names);
         for (size_t k = 0; k < c.nents && code == FL_OK; k++)
             code = wr_append(w, c.names + c.ents[k].off, c.ents[k].len, &err);

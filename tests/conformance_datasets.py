@@ -9,6 +9,7 @@ and fastloader's DataLoader mean equal behaviour, not luck. Reprs are fixed
 (no addresses) because torch puts ``repr(dataset)`` into messages and WorkerInfo.
 """
 import collections
+import collections.abc
 import multiprocessing
 import os
 import random
@@ -185,6 +186,17 @@ class StatefulDataset(Dataset):
         info = get_worker_info()
         return {"index": index, "calls": self.calls, "pid": os.getpid(),
                 "worker": -1 if info is None else info.id}
+
+
+class IndexTypeDataset(Dataset):
+    """Returns the index it was given, its type and repr: an index must reach the
+    dataset exactly as the sampler yielded it (numpy ints, tensors, strings, tuples)."""
+
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, index):
+        return {"type": type(index).__name__, "repr": repr(index)}
 
 
 class ProcessEnvDataset(Dataset):

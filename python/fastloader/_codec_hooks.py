@@ -132,8 +132,11 @@ class _OutOfBandPickler(pickle.Pickler):
         self._seen = {}
 
     def persistent_id(self, obj):
-        if exportable(obj) or (type(obj) is np.ndarray and obj.dtype.kind in "biufc"
-                               and obj.dtype.isnative and obj.dtype.names is None):
+        # DeferredStack: a collated batch inside a container the codec does not
+        # know (an OrderedDict, a custom Mapping) is still stacked into the slot.
+        if type(obj) is DeferredStack or exportable(obj) or (
+                type(obj) is np.ndarray and obj.dtype.kind in "biufc"
+                and obj.dtype.isnative and obj.dtype.names is None):
             key = id(obj)
             if key not in self._seen:   # the same tensor twice stays one tensor
                 self._seen[key] = len(self._oob)

@@ -13,6 +13,16 @@ from .single import SingleProcessIter
 
 _DEFAULT_STRATEGY = "file_descriptor"
 
+# Per loader, outside its __dict__ so that pickling or deep-copying a loader works
+# as with torch: its last iterator (weakly) and what it left for state_dict().
+_ITERATORS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_FINAL_STATES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_PENDING_RESUME: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def remember_final_state(loader, state):
+    _FINAL_STATES[loader] = state
+
 
 def _check_strategy(value):
     if value not in STRATEGIES:
@@ -55,18 +65,17 @@ class DataLoader(_TorchDataLoader):
         super().__setattr__(attr, val)
 
     def _get_iterator(self):
-        resume = self.__dict__.pop("_fl_resume", None)
+        resume = _PENDING_RESUME.pop(self, None)
         if self.num_workers == 0:
             it = SingleProcessIter(self, resume)
         else:
             self.check_worker_number_rationality()
             it = FastMultiProcessingIter(self, resume)
-        # torch's __setattr__ guards some names after init; this one is ours
-        object.__setattr__(self, "_fl_last_iterator", weakref.ref(it))
+        _ITERATORS[self] = weakref.ref(it)
         return it
 
     def _live_iterator(self):
-        ref = self.__dict__.get("_fl_last_iterator")
+        ref = _ITERATORS.get(self)
         return ref() if ref is not None else None
 
     def state_dict(self) -> dict:
@@ -76,8 +85,8 @@ class DataLoader(_TorchDataLoader):
         it = self._live_iterator()
         if it is not None:
             state = it.state_dict()
-        elif "_fl_final_state" in self.__dict__:
-            state = dict(self.__dict__["_fl_final_state"])
+        elif self in _FINAL_STATES:
+            state = dict(_FINAL_STATES[self])
         else:
             state = {"version": _resume.VERSION, "fresh": True}
         state["rng_now"] = _resume.capture_rng(self.generator)
@@ -98,7 +107,7 @@ class DataLoader(_TorchDataLoader):
             # live persistent workers were seeded for another run: start afresh
             self._iterator._shutdown_workers()
             object.__setattr__(self, "_iterator", None)
-        object.__setattr__(self, "_fl_resume", state)
+        _PENDING_RESUME[self] = state
 
     def stats(self, memory=True):
         """Statistics of this loader's current (or last) epoch with workers: batches

@@ -7,15 +7,16 @@ batches come out identical; only the transport differs. It also keeps what
 `DataLoader.state_dict()` needs to resume mid-epoch (see resume.py)."""
 from __future__ import annotations
 
+import functools
 import pickle
 import time
 import weakref
 
 import torch
 from torch._utils import ExceptionWrapper
-from torch.utils.data import _DatasetKind
+from torch.utils.data import IterDataPipe, MapDataPipe, _DatasetKind
 from torch.utils.data._utils import pin_memory as _pin
-from torch.utils.data.dataloader import _BaseDataLoaderIter
+from torch.utils.data.dataloader import _BaseDataLoaderIter, _sharding_worker_init_fn
 
 from . import _core
 from . import resume as _resume
@@ -44,10 +45,16 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
     def __init__(self, loader, resume_state=None):
         super().__init__(loader)
         self._loader_ref = weakref.ref(loader)
-        if self._num_workers <= 0:
-            raise AssertionError("num_workers must be greater than 0")
         self._loader_generator = loader.generator
         self._prefetch_factor = loader.prefetch_factor
+        # the same checks, in the same order, with the same errors as torch's
+        # multi-process iterator
+        if self._num_workers <= 0:
+            raise AssertionError(
+                "num_workers must be greater than 0 for MultiProcessingDataLoaderIter")
+        if self._prefetch_factor <= 0:
+            raise AssertionError(
+                "prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter")
         self._in_order = getattr(loader, "in_order", True)
         self._shutdown = False
         self._pool = None
@@ -62,12 +69,18 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         if context is None:
             context = torch.multiprocessing.get_context()
         max_tasks = self._prefetch_factor * self._num_workers
+        worker_init_fn = loader.worker_init_fn
+        if isinstance(self._dataset, (IterDataPipe, MapDataPipe)):
+            # DataPipes shard across workers and ranks in the worker, as in torch
+            worker_init_fn = functools.partial(_sharding_worker_init_fn, worker_init_fn,
+                                               self._world_size, self._rank)
         specs = [
             WorkerSpec(self._dataset_kind, self._dataset, self._auto_collation,
                        self._collate_fn, self._drop_last, self._base_seed,
-                       loader.worker_init_fn, wid, self._num_workers,
+                       worker_init_fn, wid, self._num_workers,
                        self._prefetch_factor + _EXTRA_SLOTS,
-                       getattr(loader, "snapshot_every_n_steps", 0), rank_info())
+                       getattr(loader, "snapshot_every_n_steps", 0), rank_info(),
+                       self._shared_seed)
             for wid in range(self._num_workers)
         ]
         self._pool = WorkerPool(
@@ -134,8 +147,10 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         self._epoch_tasks = [_resume.SeqRuns() for _ in range(self._num_workers)]
         self._delivered_ahead = set()   # in_order=False: delivered seqs past _rcvd_idx
         if not first_iter:
+            # an IterDataPipe gets the epoch's new shared seed with the resume
+            seed = pickle.dumps(self._shared_seed)
             for ch in self._channels:
-                ch.put_task(_core.TASK_RESUME, -1)
+                ch.put_task(_core.TASK_RESUME, -1, seed)
             waiting = self._num_workers
             while waiting > 0:
                 _wid, seq, kind, _data, _where = self._get_data()
@@ -372,7 +387,9 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         loader = self._loader_ref() if hasattr(self, "_loader_ref") else None
         if loader is not None and hasattr(self, "_snap"):
             try:
-                loader.__dict__["_fl_final_state"] = self.state_dict()
+                from .dataloader import remember_final_state
+
+                remember_final_state(loader, self.state_dict())
             except Exception:
                 pass
 

@@ -43,6 +43,7 @@ class WorkerSpec:
     nslots: int
     snapshot_every: int = 0   # see resume.py
     rank_text: str = ""       # " on rank R of W" in a distributed job, for messages
+    shared_seed: Optional[int] = None   # IterDataPipe: one seed for all workers
 
 
 class _Fd:
@@ -70,13 +71,24 @@ def _fd_arg(fd: int):
 
 
 def _explain_start_error(exc, method):
+    """Warn as torch's DataLoader does when a worker's arguments do not pickle,
+    then re-raise the error unchanged."""
     import pickle
+    import warnings
 
     if isinstance(exc, (TypeError, AttributeError, pickle.PicklingError)):
-        raise type(exc)(
-            f"{exc}\nfastloader: the worker process's arguments (dataset, collate_fn, "
-            f"worker_init_fn) must be picklable under the '{method}' start method") from exc
+        warnings.warn(_PICKLE_HINT, stacklevel=5)
     raise exc
+
+
+# torch's DataLoader gives this hint when a worker cannot be started because its
+# arguments do not pickle; a drop-in must say the same.
+_PICKLE_HINT = (
+    "Got pickle error when attempting to start a worker Process. "
+    "This might be because the worker Process arguments are not picklable. "
+    "Python 3.14+ changed the multiprocessing start method in non-Mac POSIX platforms "
+    "to 'forkserver', which requires the worker Process arguments to be picklable. "
+    "You can also try multiprocessing.set_start_method('fork').")
 
 
 def _quiet_sigint():

@@ -55,7 +55,9 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
     def _leave_state_with_loader(self):
         loader = self._loader_ref()
         if loader is not None:
-            loader.__dict__["_fl_final_state"] = self.state_dict()
+            from .dataloader import remember_final_state
+
+            remember_final_state(loader, self.state_dict())
 
     def __del__(self):
         try:

@@ -84,6 +84,19 @@ def _find_unpicklable(obj, depth=0):
     return None
 
 
+def _seed_datapipe(dataset, shared_seed):
+    """An IterDataPipe shuffles with one seed shared by all workers (torch)."""
+    from torch.utils.data import IterDataPipe
+
+    if not isinstance(dataset, IterDataPipe) or shared_seed is None:
+        return dataset
+    from torch.utils.data.graph_settings import apply_random_seed
+
+    rng = torch.Generator()
+    rng.manual_seed(shared_seed)
+    return apply_random_seed(dataset, rng)
+
+
 def _close_inherited_fds(keep):
     """Under fork a worker inherits the main process's ends of its siblings'
     channels; close them so that fd counts stay constant."""
@@ -122,10 +135,13 @@ def worker_main(spec, handle, fds):
 def _serve(spec, chan):
     global _RANK_TEXT
     _RANK_TEXT = spec.rank_text
+    name_thread = getattr(torch.multiprocessing, "_set_thread_name", None)
+    if name_thread is not None:
+        name_thread("pt_data_worker")   # what top/ps/py-spy show for torch's workers
     torch.set_num_threads(1)
     wid = spec.worker_id
     seed = _seed(spec.base_seed, wid)
-    dataset = spec.dataset
+    dataset = _seed_datapipe(spec.dataset, spec.shared_seed)
     _tw._worker_info = WorkerInfo(id=wid, num_workers=spec.num_workers, seed=seed,
                                   dataset=dataset)
     collate_fn = worker_collate(spec.collate_fn)
@@ -153,6 +169,8 @@ def _serve(spec, chan):
         if kind == _core.TASK_RESUME:
             # persistent workers: a new epoch restarts the replica as torch does
             iteration_end, done = False, 0
+            if index:
+                dataset = _seed_datapipe(dataset, pickle.loads(index))
             fetcher = _DatasetKind.create_fetcher(spec.dataset_kind, dataset,
                                                   spec.auto_collation, collate_fn,
                                                   spec.drop_last)
