@@ -24,7 +24,6 @@ import gc
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile

@@ -7,7 +7,6 @@ spawn and forkserver, and check that a plain Python list does show the growth, s
 the bounds are known to discriminate.
 """
 import copy
-import gc
 import multiprocessing
 import os
 import pickle
@@ -25,7 +24,7 @@ import psutil
 import pytest
 import torch
 
-from fastloader import DataLoader, FastLoaderError, _core
+from fastloader import DataLoader, FastLoaderError
 from fastloader import packed as packed_mod
 from fastloader.metadata_warning import (
     HeavyMetadataWarning, _reset_once_registry, find_heavy_metadata, warn_if_heavy_metadata,
@@ -498,6 +497,10 @@ def test_save_and_load(tmp_path):
     # shared under file_system by path, under file_descriptor by fd
     assert PackedStringArray.load(path, sharing_strategy="file_system")._storage.fd == -1
     assert PackedStringArray.load(path, populate=True)[0] == "new"
+    with pytest.raises(FileNotFoundError):
+        a.save(tmp_path / "no" / "such" / "dir.fpk")
+    with pytest.raises(ValueError, match="sharing_strategy should be one of"):
+        PackedStringArray(["x"], sharing_strategy="bogus")
 
 
 def test_load_of_a_big_index_is_immediate(tmp_path):

@@ -17,7 +17,7 @@ import sys
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import List, Optional
 
 __all__ = ["HeavyMetadataWarning", "warn_if_heavy_metadata", "find_heavy_metadata"]
 

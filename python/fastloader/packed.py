@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import io
 import os
-import pickle
 import stat
 import uuid
 import weakref
@@ -391,8 +390,8 @@ class _PackedBase(_core.PackedView):
         directory = os.path.dirname(os.path.abspath(path))
         tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex[:8]}.tmp")
         data = memoryview(self._mapping) if self._whole else memoryview(self._serialize())
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
         try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
             try:
                 written = 0
                 while written < len(data):
