@@ -33,17 +33,26 @@ $(BENCH_DEPS): requirements-bench.txt $(DEPS)
 bench: install $(BENCH_DEPS)
 	$(VPY) -m benchmarks.run
 
-# AddressSanitizer + UBSan build of the C core; Python itself is not instrumented,
-# so the runtime is preloaded. Leak detection is off here (CPython's own
-# allocations at exit are not ours); see `make leakcheck`.
+# AddressSanitizer + UBSan build of the C core, run against the whole test suite.
+# It is built into build/asan (a copy of the package that PYTHONPATH puts first,
+# workers included), so the regular build in python/ is never replaced. Python
+# itself is not instrumented, so the runtimes are preloaded; leak detection is off
+# here (CPython's own allocations at exit are not ours): see `make leakcheck`.
+# --capture=sys lets a sanitizer's report (written to fd 2) reach the terminal.
 ASAN_LIB = $(shell gcc -print-file-name=libasan.so)
 UBSAN_LIB = $(shell gcc -print-file-name=libubsan.so)
-test-asan: $(DEPS)
-	FASTLOADER_SANITIZE=1 $(CFLAGS_STRICT) $(VPY) -m pip install -q \
-		--disable-pip-version-check --no-build-isolation --no-deps -e .
-	LD_PRELOAD="$(ASAN_LIB) $(UBSAN_LIB)" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
-		FASTLOADER_ASAN=1 $(VPY) -m pytest -q -x tests
-	$(MAKE) install
+ASAN_PKG = build/asan/pkg
+test-asan: install
+	rm -rf $(ASAN_PKG) && mkdir -p $(ASAN_PKG)
+	cp -r python/fastloader $(ASAN_PKG)/ && rm -f $(ASAN_PKG)/fastloader/*.so
+	FASTLOADER_SANITIZE=1 $(CFLAGS_STRICT) $(VPY) setup.py -q build_ext \
+		--build-lib $(ASAN_PKG) --build-temp build/asan/tmp --force
+	PYTHONPATH=$(CURDIR)/$(ASAN_PKG):$(CURDIR) LD_PRELOAD="$(ASAN_LIB) $(UBSAN_LIB)" \
+		ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
+		$(VPY) -c "import fastloader._core as c, sys; assert '$(ASAN_PKG)' in c.__file__, c.__file__"
+	PYTHONPATH=$(CURDIR)/$(ASAN_PKG):$(CURDIR) LD_PRELOAD="$(ASAN_LIB) $(UBSAN_LIB)" \
+		ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
+		$(VPY) -m pytest -q -x --capture=sys tests
 
 # Valgrind over every C path (tests/loopback.py); fails on a leak or memory error
 # with a frame in fastloader's C core (CPython/NumPy/torch's own reports ignored).

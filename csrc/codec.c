@@ -151,7 +151,8 @@ put_array_body(fl_plan *p, int typenum, int ndim, const npy_intp *dims, size_t n
     if (put_u64(p, op->off) < 0 || put_u64(p, nbytes) < 0)
         return -1;
     op->ndim = ndim;
-    memcpy(op->dims, dims, sizeof(npy_intp) * (size_t)ndim);
+    if (ndim > 0)   /* a 0-d array may have no dims pointer at all */
+        memcpy(op->dims, dims, sizeof(npy_intp) * (size_t)ndim);
     *op_out = op;
     return 0;
 }
