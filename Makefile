@@ -52,7 +52,7 @@ test-asan: install
 		$(VPY) -c "import fastloader._core as c, sys; assert '$(ASAN_PKG)' in c.__file__, c.__file__"
 	PYTHONPATH=$(CURDIR)/$(ASAN_PKG):$(CURDIR) LD_PRELOAD="$(ASAN_LIB) $(UBSAN_LIB)" \
 		ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
-		$(VPY) -m pytest -q -x --capture=sys tests
+		FASTLOADER_ASAN=1 $(VPY) -m pytest -q -x --capture=sys tests
 
 # Valgrind over every C path (tests/loopback.py); fails on a leak or memory error
 # with a frame in fastloader's C core (CPython/NumPy/torch's own reports ignored).

@@ -61,19 +61,26 @@ class DieWhileMainWaitsDataset(Dataset):
     stamps the time of death into `stamp_path`, then dies: how = "SIGSEGV" (a real
     invalid read), "SIGBUS" (a real access past the end of a shrunk shared mapping),
     "SIGKILL" (sent to itself) or "exit<code>" (os._exit). With how="sleep" it only
-    sleeps (long), for a killer outside the worker. Other indices are instant."""
+    sleeps (long), for a killer outside the worker. Index `slow_at` (if given) sleeps
+    `slow_s`: a sibling busy in a long sample while the other worker dies. Other
+    indices are instant."""
 
-    def __init__(self, n=40, at=5, sleep_s=0.6, how="SIGSEGV", stamp_path=None):
+    def __init__(self, n=40, at=5, sleep_s=0.6, how="SIGSEGV", stamp_path=None,
+                 slow_at=None, slow_s=20.0):
         self.n = n
         self.at = at
         self.sleep_s = sleep_s
         self.how = how
         self.stamp_path = stamp_path
+        self.slow_at = slow_at
+        self.slow_s = slow_s
 
     def __len__(self):
         return self.n
 
     def __getitem__(self, index):
+        if index == self.slow_at:
+            time.sleep(self.slow_s)
         if index == self.at:
             _quiet_crash_setup()
             if self.how == "sleep":
@@ -154,10 +161,11 @@ class BigDataset(Dataset):
 
 
 class GrowingDataset(Dataset):
-    """Samples that grow over the epoch: index i has 256 * (1 + i // step) int64
-    elements, all equal to i, so later batches outgrow the ring's slots."""
+    """Samples that grow over the epoch: index i has 256 * (1 + i // step)**2 int64
+    elements, all equal to i, so later batches outgrow the ring's slots (with `step` a
+    multiple of the batch size, the samples of one batch have one size)."""
 
-    def __init__(self, n=96, step=8):
+    def __init__(self, n=144, step=48):
         self.n = n
         self.step = step
 
@@ -169,13 +177,6 @@ class GrowingDataset(Dataset):
 
     def __getitem__(self, index):
         return torch.full((self.numel(index),), index, dtype=torch.int64), index
-
-
-def growing_collate(batch):
-    """Samples of different sizes in one batch: concatenate them (the values still
-    say which sample each element came from)."""
-    xs, ys = zip(*batch)
-    return torch.cat(xs), torch.tensor(ys)
 
 
 class UnpicklableDataset(Dataset):
@@ -199,17 +200,18 @@ def list_collate(batch):
     return batch
 
 
+def dict_collate(batch):
+    """Not the default collate: the codec copies each tensor into the slot itself
+    (instead of torch.stack writing straight into it)."""
+    xs, ys = zip(*batch)
+    return {"x": torch.stack(xs), "index": torch.tensor(ys), "n": len(batch)}
+
+
 FSIZE_LIMIT = 1 << 20
 
 
 def limit_file_size_init(worker_id):
-    """Shared segments count as files: with RLIMIT_FSIZE at 1 MiB, creating an 8 MiB
-    one fails as it would when the memory for it is exhausted. SIGXFSZ is ignored as a
-    program setting such a limit would; the creation then fails with EFBIG."""
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (FSIZE_LIMIT, resource.RLIM_INFINITY))
-
-
-def limit_file_size_init_keep_sigxfsz(worker_id):
-    """As limit_file_size_init, but SIGXFSZ keeps its default action (terminate)."""
+    """Shared segments count as files: with RLIMIT_FSIZE at 1 MiB, creating a bigger
+    one fails (EFBIG) as it would when the memory for it is exhausted. (Python starts
+    with SIGXFSZ ignored, so the worker is not killed by it.)"""
     resource.setrlimit(resource.RLIMIT_FSIZE, (FSIZE_LIMIT, resource.RLIM_INFINITY))

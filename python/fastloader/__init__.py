@@ -8,6 +8,9 @@ try:
     from . import _codec_hooks  # noqa: F401  (registers the codec with the C core)
     from ._core import FastLoaderError, WorkerError
     from .dataloader import DataLoader
+    from .metadata_warning import HeavyMetadataWarning
+    from .packed import PackedArray, PackedFormatError, PackedStringArray
+    from .packed_dataset import PackedImageFolder
 except ImportError as _exc:   # pragma: no cover - a broken build
     # Keep the package importable so that `python -m fastloader doctor` can say
     # what is wrong; everything else raises this error when used.
@@ -18,4 +21,6 @@ except ImportError as _exc:   # pragma: no cover - a broken build
                           f"({_CORE_IMPORT_ERROR}); reinstall with `pip install .` or run "
                           "`python -m fastloader doctor`") from _CORE_IMPORT_ERROR
 
-__all__ = ["DataLoader", "FastLoaderError", "WorkerError", "__version__"]
+__all__ = ["DataLoader", "FastLoaderError", "WorkerError", "PackedStringArray",
+           "PackedArray", "PackedFormatError", "PackedImageFolder", "HeavyMetadataWarning",
+           "__version__"]

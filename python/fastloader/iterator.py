@@ -22,6 +22,7 @@ from . import _core
 from . import resume as _resume
 from . import stats as _stats
 from .distributed import rank_info
+from .metadata_warning import warn_if_heavy_metadata
 from .pool import STRATEGIES, WorkerPool, WorkerSpec
 
 # Slots per worker beyond its prefetched batches: the one the consumer holds, the
@@ -68,6 +69,8 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         context = loader.multiprocessing_context
         if context is None:
             context = torch.multiprocessing.get_context()
+        # a big Python list/dict in the dataset costs every worker a copy
+        warn_if_heavy_metadata(self._dataset, self._num_workers, context)
         max_tasks = self._prefetch_factor * self._num_workers
         worker_init_fn = loader.worker_init_fn
         if isinstance(self._dataset, (IterDataPipe, MapDataPipe)):

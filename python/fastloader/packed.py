@@ -32,9 +32,11 @@ Sharing:
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import stat
+import threading
 import uuid
 import weakref
 from typing import Any, Iterable, Optional, Union
@@ -288,6 +290,37 @@ def _spawning() -> bool:
     return context.get_spawning_popen() is not None
 
 
+# The sharing strategy of the loader whose workers are being started (set by
+# fastloader.pool around Process.start()): a packed array then travels the way
+# the loader shares everything else, whatever strategy it was built with.
+_STARTING = threading.local()
+# array storage -> its twin under the other strategy, made once and reused
+_TWINS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_TWINS_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def loader_strategy(strategy: str):
+    previous = getattr(_STARTING, "strategy", None)
+    _STARTING.strategy = strategy
+    try:
+        yield
+    finally:
+        _STARTING.strategy = previous
+
+
+def _for_loader(array):
+    wanted = getattr(_STARTING, "strategy", None)
+    if wanted is None or wanted == array.sharing_strategy:
+        return array
+    key = (wanted, array._start, array._step, len(array))
+    with _TWINS_LOCK:   # workers start from several threads at once
+        twins = _TWINS.setdefault(array._storage, {})
+        if key not in twins:
+            twins[key] = array.share(wanted)   # a copy, once per array and strategy
+        return twins[key]
+
+
 # ---- the array types -----------------------------------------------------------------------
 
 class _PackedBase(_core.PackedView):
@@ -372,8 +405,9 @@ class _PackedBase(_core.PackedView):
 
     def __reduce__(self):
         if _spawning():
-            return _attach, (type(self), self._storage.handle(), self._start, self._step,
-                             len(self))
+            shared = _for_loader(self)
+            return _attach, (type(self), shared._storage.handle(), shared._start,
+                             shared._step, len(shared))
         return _from_bytes, (type(self), self._serialize(), self.sharing_strategy)
 
     def __copy__(self):

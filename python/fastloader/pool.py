@@ -116,6 +116,7 @@ class WorkerPool:
     def __init__(self, context, specs, strategy: int, task_capacity: int,
                  result_capacity: int):
         self.owner_pid = os.getpid()
+        self.strategy_name = next(k for k, v in STRATEGIES.items() if v == strategy)
         self.prefix = f"fastloader-{self.owner_pid}-{uuid.uuid4().hex[:10]}"
         self.channels: list = []
         self.procs: list = []
@@ -166,19 +167,38 @@ class WorkerPool:
             except BaseException as exc:   # re-raised below, in the caller's thread
                 errors[i] = exc
 
+        from .packed import loader_strategy
+
         old_mask, old_handler = _quiet_sigint()
         try:
-            if len(procs) == 1:
-                start(0)
-            else:
-                threads = [threading.Thread(target=start, args=(i,), daemon=True)
-                           for i in range(len(procs))]
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join()
+            with loader_strategy(self.strategy_name):
+                self._start_procs(procs, start)
         finally:
             _restore_sigint(old_mask, old_handler)
+        self._record_started(procs, errors, method)
+
+    @staticmethod
+    def _start_procs(procs, start):
+        # (a thread-local strategy would not reach the threads: pass it along)
+        from .packed import _STARTING, loader_strategy
+
+        strategy = getattr(_STARTING, "strategy", None)
+
+        def start_in_thread(i):
+            with loader_strategy(strategy):
+                start(i)
+
+        if len(procs) == 1:
+            start(0)
+            return
+        threads = [threading.Thread(target=start_in_thread, args=(i,), daemon=True)
+                   for i in range(len(procs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    def _record_started(self, procs, errors, method):
         first = len(self.procs)
         for i, proc in enumerate(procs):
             if errors[i] is None:
