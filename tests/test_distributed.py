@@ -15,25 +15,29 @@ from tests.helpers import clone_batch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def torchrun(which, out_dir, start_method):
+def torchrun(module, *args):
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1",
                PYTHONWARNINGS="ignore::UserWarning")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
            "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0",
-           "-m", "tests.ddp_train", which, str(out_dir), start_method]
+           "-m", module, *map(str, args)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    results = []
+
+
+def results(out_dir, name):
+    out = []
     for r in range(2):
-        with open(os.path.join(out_dir, f"{which}-{r}.json")) as f:
-            results.append(json.load(f))
-    return results
+        with open(os.path.join(out_dir, f"{name}-{r}.json")) as f:
+            out.append(json.load(f))
+    return out
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
 def test_two_ranks_disjoint_cover_and_same_losses(tmp_path, start_method):
-    fl = torchrun("fastloader", tmp_path, start_method)
-    th = torchrun("torch", tmp_path, start_method)
+    torchrun("tests.ddp_train", "fastloader", tmp_path, start_method)
+    torchrun("tests.ddp_train", "torch", tmp_path, start_method)
+    fl, th = results(tmp_path, "fastloader"), results(tmp_path, "torch")
     for epoch_batches in (slice(0, 6), slice(6, 12)):   # 96 / 2 ranks / batch 8 = 6
         ranks = [sorted(i for b in r["seen"][epoch_batches] for i in b) for r in fl]
         assert not set(ranks[0]) & set(ranks[1]), "ranks saw the same samples"
@@ -62,3 +66,17 @@ def test_worker_error_names_the_rank(monkeypatch):
     with pytest.raises(ValueError, match="rank 1 of 2"):
         for _ in fastloader.DataLoader(Exploding(), batch_size=2, num_workers=1):
             pass
+
+
+def test_node_holds_one_copy_of_shared_metadata(tmp_path):
+    """2 ranks on one node: with share_on_node the array's pages are counted once
+    across the node (the ranks' PSS of the mapping adds up to one copy); built by
+    each rank, to two."""
+    torchrun("tests.ddp_share", "shared", tmp_path)
+    torchrun("tests.ddp_share", "per_rank", tmp_path)
+    shared, per_rank = results(tmp_path, "shared"), results(tmp_path, "per_rank")
+    copy_kib = shared[0]["nbytes"] / 1024
+    shared_total = sum(r["pss_kib"] for r in shared)
+    per_rank_total = sum(r["pss_kib"] for r in per_rank)
+    assert shared_total <= 1.1 * copy_kib, (shared_total, copy_kib)
+    assert per_rank_total >= 1.8 * copy_kib, (per_rank_total, copy_kib)
