@@ -38,7 +38,9 @@ bench: install $(BENCH_DEPS)
 # workers included), so the regular build in python/ is never replaced. Python
 # itself is not instrumented, so the runtimes are preloaded; leak detection is off
 # here (CPython's own allocations at exit are not ours): see `make leakcheck`.
-# --capture=sys lets a sanitizer's report (written to fd 2) reach the terminal.
+# --capture=sys lets a sanitizer's report (written to fd 2) reach the terminal;
+# handle_segv/handle_sigbus=0: the fault tests crash workers on purpose and check
+# that they die of that signal, not of ASan's abort.
 ASAN_LIB = $(shell gcc -print-file-name=libasan.so)
 UBSAN_LIB = $(shell gcc -print-file-name=libubsan.so)
 ASAN_PKG = build/asan/pkg
@@ -48,10 +50,12 @@ test-asan: install
 	FASTLOADER_SANITIZE=1 $(CFLAGS_STRICT) $(VPY) setup.py -q build_ext \
 		--build-lib $(ASAN_PKG) --build-temp build/asan/tmp --force
 	PYTHONPATH=$(CURDIR)/$(ASAN_PKG):$(CURDIR) LD_PRELOAD="$(ASAN_LIB) $(UBSAN_LIB)" \
-		ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
+		ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:handle_segv=0:handle_sigbus=0 \
+		UBSAN_OPTIONS=print_stacktrace=1 \
 		$(VPY) -c "import fastloader._core as c, sys; assert '$(ASAN_PKG)' in c.__file__, c.__file__"
 	PYTHONPATH=$(CURDIR)/$(ASAN_PKG):$(CURDIR) LD_PRELOAD="$(ASAN_LIB) $(UBSAN_LIB)" \
-		ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
+		ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:handle_segv=0:handle_sigbus=0 \
+		UBSAN_OPTIONS=print_stacktrace=1 \
 		FASTLOADER_ASAN=1 $(VPY) -m pytest -q -x --capture=sys tests
 
 # Valgrind over every C path (tests/loopback.py); fails on a leak or memory error

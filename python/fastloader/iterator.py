@@ -258,7 +258,9 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         wid, seq, kind, data, where = got
         if kind == _core.RES_DEAD:
             message = self._pool.death_message(wid)
-            self._shutdown_workers()
+            # The epoch is lost: as for Ctrl-C, do not let a sibling busy in a long
+            # sample hold the error back for the full grace (contract: within 2 s).
+            self._shutdown_workers(grace=0.5)
             raise _core.WorkerError(message)
         return got
 
