@@ -239,3 +239,17 @@ def assert_no_shm_left(before, timeout=5):
 def settle():
     """Drop garbage (iterators in reference cycles) before measuring."""
     gc.collect()
+
+
+def assert_names_dead_worker(error, worker_id, pid, cause):
+    """A worker death is reported as WorkerError (a RuntimeError) naming the worker,
+    its pid and the cause (signal name or exit code)."""
+    import re
+
+    from fastloader import WorkerError
+
+    message = str(error)
+    assert isinstance(error, WorkerError) and isinstance(error, RuntimeError), repr(error)
+    assert re.search(rf"\bworker {worker_id}\b", message), f"no 'worker {worker_id}': {message}"
+    assert re.search(rf"\bpid {pid}\b", message), f"no 'pid {pid}': {message}"
+    assert re.search(rf"\b{cause}\b", message), f"no {cause!r}: {message}"

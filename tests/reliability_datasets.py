@@ -101,24 +101,13 @@ class DieWhileMainWaitsDataset(Dataset):
         return torch.tensor([index])
 
 
-class SleepAtIndexDataset(Dataset):
-    """Index `at` sleeps `seconds`; other indices are instant."""
-
-    def __init__(self, n=40, at=1, seconds=30.0):
-        self.n = n
-        self.at = at
-        self.seconds = seconds
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, index):
-        if index == self.at:
-            time.sleep(self.seconds)
-        return torch.tensor([index])
+# the same as tests.datasets.SleepAtDataset
+from tests.datasets import SleepAtDataset as SleepAtIndexDataset  # noqa: E402,F401
 
 
 class SlowDataset(Dataset):
+    """A 64-int sample every `delay` seconds (the index in every element)."""
+
     def __init__(self, n=100_000, delay=0.01):
         self.n = n
         self.delay = delay
@@ -196,8 +185,7 @@ class UnpicklableDataset(Dataset):
         return {"index": index, "payload": index}
 
 
-def list_collate(batch):
-    return batch
+from tests.datasets import list_collate  # noqa: E402,F401  (keep the batch a list)
 
 
 def dict_collate(batch):

@@ -21,6 +21,7 @@ import fastloader
 from fastloader import DataLoader, FastLoaderError, WorkerError
 from tests import datasets as ds
 from tests.helpers import (
+    assert_names_dead_worker,
     assert_no_shm_left, assert_same_batch_lists, clone_batch, collect, deadline, is_gone,
     is_reaped, loader_children, map_lines, num_fds, num_maps, settle, shm_left, shm_names,
     wait_until,
@@ -104,14 +105,6 @@ def test_worker_init_fn_exception_reraised():
 
 
 # ---- dead workers ------------------------------------------------------------------
-
-def assert_names_dead_worker(error, worker_id, pid, cause):
-    message = str(error)
-    assert isinstance(error, WorkerError) and isinstance(error, RuntimeError), repr(error)
-    assert re.search(rf"\bworker {worker_id}\b", message), f"no 'worker {worker_id}': {message}"
-    assert re.search(rf"\bpid {pid}\b", message), f"no 'pid {pid}': {message}"
-    assert re.search(rf"\b{cause}\b", message), f"no {cause!r}: {message}"
-
 
 def next_until_error(it, seconds=30):
     """Consume until the loader raises; return (exception, batches consumed)."""

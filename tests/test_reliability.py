@@ -34,6 +34,7 @@ from fastloader import DataLoader, WorkerError
 from tests import datasets as ds
 from tests import reliability_datasets as rd
 from tests.helpers import (
+    assert_names_dead_worker,
     deadline, is_gone, is_reaped, loader_children, num_fds, num_maps, settle, wait_until,
 )
 
@@ -128,14 +129,6 @@ def test_worker_init_fn_exception_reraised(ctx):
 
 
 # ---- deaths while the main process is blocked waiting --------------------------------
-
-def assert_names_dead_worker(error, worker_id, pid, cause):
-    message = str(error)
-    assert isinstance(error, WorkerError) and isinstance(error, RuntimeError), repr(error)
-    assert re.search(rf"\bworker {worker_id}\b", message), f"no 'worker {worker_id}': {message}"
-    assert re.search(rf"\bpid {pid}\b", message), f"no 'pid {pid}': {message}"
-    assert re.search(rf"\b{cause}\b", message), f"no {cause!r}: {message}"
-
 
 def _read_stamp(path, timeout=5):
     assert wait_until(lambda: os.path.exists(path), timeout), f"{path} never written"

@@ -29,6 +29,10 @@ from .pool import STRATEGIES, WorkerPool, WorkerSpec
 # one it is about to drop, and one of slack for a pin-memory or prefetch stage.
 _EXTRA_SLOTS = 3
 
+# On Ctrl-C or a worker's death, how long busy siblings may take to stop by
+# themselves before they are terminated (idle ones stop at once).
+_FAILURE_GRACE_S = 0.2
+
 # Control tasks that only this layer knows (payload: pickle)
 _CONTROL_RESTORE = "restore"   # (snapshot) restore RNGs / iterable position
 _CONTROL_REPLAY = "replay"     # (index) re-run a task without sending its batch
@@ -251,7 +255,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         except KeyboardInterrupt:
             # Ctrl-C: stop the workers now (briefly let idle ones exit by
             # themselves, terminate busy ones) so the program can exit at once.
-            self._shutdown_workers(grace=0.5)
+            self._shutdown_workers(grace=_FAILURE_GRACE_S)
             raise
         if got is None:
             raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
@@ -260,7 +264,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             message = self._pool.death_message(wid)
             # The epoch is lost: as for Ctrl-C, do not let a sibling busy in a long
             # sample hold the error back for the full grace (contract: within 2 s).
-            self._shutdown_workers(grace=0.5)
+            self._shutdown_workers(grace=_FAILURE_GRACE_S)
             raise _core.WorkerError(message)
         return got
 

@@ -35,13 +35,14 @@ def _seed(base_seed: int, worker_id: int) -> int:
 _RANK_TEXT = ""   # set from the spec: " on rank R of W" in a distributed job
 
 
-def _wrap_exception(worker_id: int, seq: int, index):
+def _wrap_exception(worker_id: int, seq: int, index, context=None):
     # torch's ExceptionWrapper keeps the traceback text; we add the batch it was
     # building (and the rank), which torch does not say.
     from torch._utils import ExceptionWrapper
 
+    detail = context or f"batch {seq}, index {_short(index)}"
     return ExceptionWrapper(where=f"in DataLoader worker process {worker_id}{_RANK_TEXT}"
-                            f" (batch {seq}, index {_short(index)})")
+                            f" ({detail})")
 
 
 def _short(index) -> str:
@@ -154,7 +155,7 @@ def _serve(spec, chan):
                                               spec.auto_collation, collate_fn,
                                               spec.drop_last)
     except Exception:
-        init_error = _wrap_exception(wid, -1, "worker_init_fn")
+        init_error = _wrap_exception(wid, -1, None, context="in worker_init_fn")
 
     iteration_end = False
     every = spec.snapshot_every
