@@ -423,13 +423,16 @@ workerchan_publish(WorkerChannelObject *w, PyObject *args)
         atomic_fetch_add_explicit(&w->ctl->overflowed, 1, memory_order_relaxed);
     }
     r.nbytes = need;
+    /* counted before the push, so that whoever sees the batch sees it counted */
+    w->n_published++;
+    atomic_fetch_add_explicit(&w->ctl->published, 1, memory_order_relaxed);
     code = push_result(w, &r);
     if (code != FL_OK) {
+        w->n_published--;
+        atomic_fetch_sub_explicit(&w->ctl->published, 1, memory_order_relaxed);
         fl_raise(code, 0, "publishing a result");
         goto done;
     }
-    w->n_published++;
-    atomic_fetch_add_explicit(&w->ctl->published, 1, memory_order_relaxed);
     ret = Py_NewRef(Py_None);
 done:
     if (ovf != NULL)

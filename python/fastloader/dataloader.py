@@ -20,8 +20,13 @@ _FINAL_STATES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _PENDING_RESUME: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def remember_final_state(loader, state):
+_FINAL_STATS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def remember_final_state(loader, state, stats=None):
     _FINAL_STATES[loader] = state
+    if stats is not None:
+        _FINAL_STATS[loader] = stats
 
 
 def _check_strategy(value):
@@ -116,8 +121,8 @@ class DataLoader(_TorchDataLoader):
         occupancy, overflow segments, USS/PSS. None before the first epoch, or
         with num_workers=0."""
         it = self._live_iterator()
-        if it is None or not hasattr(it, "stats"):
-            return None
+        if it is None or not hasattr(it, "stats") or it._shutdown:
+            return _FINAL_STATS.get(self)   # the epoch that ended, as it ended
         return it.stats(memory=memory)
 
 

@@ -398,7 +398,8 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             try:
                 from .dataloader import remember_final_state
 
-                remember_final_state(loader, self.state_dict())
+                # stats now, while the workers are there to be measured
+                remember_final_state(loader, self.state_dict(), self.stats())
             except Exception:
                 pass
 
