@@ -13,7 +13,8 @@ torch's class, then with fastloader's, and compares the two outcomes:
 Known, intended differences are normalised, never ignored wholesale:
 
 * an exception from a worker names ``in DataLoader worker process {id}`` under torch
-  and ``in DataLoader worker process {id} (batch N, index ...)`` under fastloader, and
+  and ``in DataLoader worker process {id} (batch N, index ...)`` (or ``(in
+  worker_init_fn)``) under fastloader, and
   the worker's traceback shows each library's own frames: messages are compared on
   the "Caught X in DataLoader worker process N" line, the frames of the user's code
   (file, line, function, source) and the exception lines;
@@ -70,7 +71,8 @@ HAS_ACCELERATOR = torch.accelerator.is_available()
 # Observing a scenario and comparing outcomes
 # ======================================================================================
 
-_WHERE_LINE = re.compile(r"^(Caught \w+ in DataLoader worker process \d+)(?: \(batch .*\))?\.$")
+_WHERE_LINE = re.compile(
+    r"^(Caught \w+ in DataLoader worker process \d+)(?: \((?:batch .*|in worker_init_fn)\))?\.$")
 _USER_FRAME = re.compile(r'^  File "(?:[^"]*/)?(conformance_datasets\.py|datasets\.py)", '
                          r"line (\d+), in (\S+)$")
 
