@@ -47,6 +47,27 @@ def run(rounds=50):
         gc.collect()
 
 
+def run_packed(tmpdir):
+    """The packed-array C code: build, read, slice, save and load."""
+    import os
+
+    from fastloader import PackedArray, PackedStringArray
+
+    names = PackedStringArray(f"img_{i}.jpg" for i in range(2000))
+    assert names[-1] == "img_1999.jpg" and names[10:20:3].tolist()[0] == "img_10.jpg"
+    records = PackedArray({"id": i, "box": [i, i + 1]} for i in range(500))
+    assert records[7] == {"id": 7, "box": [7, 8]}
+    path = os.path.join(tmpdir, "names.fpk")
+    names.save(path)
+    again = PackedStringArray.load(path)
+    assert again == names
+    del again, names, records
+
+
 if __name__ == "__main__":
+    import tempfile
+
     run()
+    with tempfile.TemporaryDirectory() as tmp:
+        run_packed(tmp)
     print("loopback ok")

@@ -6,7 +6,7 @@ import re
 import subprocess
 import sys
 
-OURS = re.compile(r"_core\.cpython|csrc/")
+OURS = re.compile(r"_core\.cpython|csrc/")   # channels, codec and packed arrays
 
 
 def blocks(log: str):
