@@ -257,12 +257,19 @@ new_arena(WorkerChannelObject *w, size_t need, int *err)
     while ((size_t)nslots * slot > FL_ARENA_MAX && nslots > 2)
         nslots--;
     size_t size = slot * nslots;
+    int fs = w->strategy == FL_STRATEGY_FS;
+    if (fs && fl_worker_begin_create() < 0) {
+        *err = ESRCH;   /* the main process is gone */
+        return FL_ERRNO;
+    }
     uint64_t id = atomic_fetch_add(&w->ctl->next_seg_id, 1);
     char name[FL_NAME_MAX];
     int fd = -1, code;
-    if (w->strategy == FL_STRATEGY_FS)
+    if (fs)
         fl_seg_name(name, w->prefix, id);
-    code = fl_seg_create(w->strategy == FL_STRATEGY_FS ? name : NULL, size, 1, &fd, err);
+    code = fl_seg_create(fs ? name : NULL, size, 1, &fd, err);
+    if (fs)
+        fl_worker_end_create();
     if (code != FL_OK)
         return code;
     void *addr;
@@ -303,11 +310,18 @@ make_overflow(WorkerChannelObject *w, size_t need, uint8_t **addr, size_t *size,
               int *fd, int *err)
 {
     char name[FL_NAME_MAX];
+    int fs = w->strategy == FL_STRATEGY_FS;
     *size = FL_ALIGN_UP(need, 4096);
+    if (fs && fl_worker_begin_create() < 0) {
+        *err = ESRCH;   /* the main process is gone */
+        return FL_ERRNO;
+    }
     *id = atomic_fetch_add(&w->ctl->next_seg_id, 1);
-    if (w->strategy == FL_STRATEGY_FS)
+    if (fs)
         fl_seg_name(name, w->prefix, *id);
-    int code = fl_seg_create(w->strategy == FL_STRATEGY_FS ? name : NULL, *size, 1, fd, err);
+    int code = fl_seg_create(fs ? name : NULL, *size, 1, fd, err);
+    if (fs)
+        fl_worker_end_create();
     if (code != FL_OK)
         return code;
     void *p;

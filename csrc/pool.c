@@ -64,8 +64,13 @@ static fl_ctl *g_ctl;
 static char g_prefix[200];
 static int g_main_pidfd = -1;
 static pid_t g_main_pid;
-static volatile sig_atomic_t g_cleaning;
 static int g_armed;
+/* Named segments vs. cleanup after the main process died: a worker thread may be
+ * between reserving a segment id and creating its name while the watchdog
+ * unlinks the pending range. `g_dying` stops new creations; `g_creating` counts
+ * those in flight, which the watchdog waits for before it unlinks. */
+static _Atomic int g_dying;
+static _Atomic int g_creating;
 
 void
 fl_worker_disarm(fl_ctl *ctl)
@@ -74,12 +79,32 @@ fl_worker_disarm(fl_ctl *ctl)
         g_ctl = NULL;   /* its mapping is going away */
 }
 
+int
+fl_worker_begin_create(void)
+{
+    atomic_fetch_add(&g_creating, 1);
+    if (atomic_load(&g_dying)) {
+        atomic_fetch_sub(&g_creating, 1);
+        return -1;
+    }
+    return 0;
+}
+
+void
+fl_worker_end_create(void)
+{
+    atomic_fetch_sub(&g_creating, 1);
+}
+
 void
 fl_worker_unlink_pending(void)
 {
-    if (g_ctl == NULL || g_prefix[0] == '\0' || g_cleaning)
+    atomic_store(&g_dying, 1);
+    if (g_ctl == NULL || g_prefix[0] == '\0')
         return;
-    g_cleaning = 1;
+    /* let creations in flight finish (bounded: never hang an exiting worker) */
+    for (int i = 0; i < 2000 && atomic_load(&g_creating) > 0; i++)
+        usleep(100);
     char name[256];
     uint64_t lo = atomic_load(&g_ctl->unlinked_upto);
     uint64_t hi = atomic_load(&g_ctl->next_seg_id);
@@ -87,8 +112,9 @@ fl_worker_unlink_pending(void)
         fl_seg_name(name, g_prefix, id);
         shm_unlink(name);
     }
-    g_cleaning = 0;
 }
+
+static volatile sig_atomic_t g_watchdog_running;
 
 static int
 main_is_gone(void)
@@ -106,9 +132,15 @@ static void
 on_parent_death(int sig)
 {
     (void)sig;
+    /* Only mark it: this may run on the very thread that is creating a segment,
+     * which the cleanup would then wait for. The watchdog thread (woken by the
+     * main process's pidfd) unlinks and exits; without a watchdog, do it here. */
     if (main_is_gone()) {
-        fl_worker_unlink_pending();
-        _exit(1);
+        atomic_store(&g_dying, 1);
+        if (!g_watchdog_running) {
+            fl_worker_unlink_pending();
+            _exit(1);
+        }
     }
 }
 
@@ -179,7 +211,10 @@ fl_worker_arm(fl_ctl *ctl, const char *seg_prefix, pid_t main_pid, int *err)
     sigset_t all, old;
     sigfillset(&all);
     pthread_sigmask(SIG_BLOCK, &all, &old);
+    g_watchdog_running = 1;
     int rc = pthread_create(&t, &attr, watchdog, NULL);
+    if (rc != 0)
+        g_watchdog_running = 0;
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     pthread_attr_destroy(&attr);
     if (rc != 0) {

@@ -15,6 +15,11 @@ int fl_proc_dead(pid_t pid, int pidfd);
 int fl_worker_arm(fl_ctl *ctl, const char *seg_prefix, pid_t main_pid, int *err);
 /* Forget `ctl` before it is unmapped. */
 void fl_worker_disarm(fl_ctl *ctl);
+/* Bracket the creation of a named segment (file_system strategy) so that the
+ * cleanup after the main process's death cannot miss it: begin returns -1 when
+ * the worker is already dying (create nothing then). */
+int fl_worker_begin_create(void);
+void fl_worker_end_create(void);
 /* Unlink this worker's not-yet-unlinked named segments. Async-signal-safe. */
 void fl_worker_unlink_pending(void);
 
