@@ -4,6 +4,7 @@ behind (processes, fds, mappings, /dev/shm entries) whatever happened.
 No test may hang: every wait runs under `deadline` (SIGALRM), subprocesses under
 a timeout, and faulthandler_timeout (pyproject) dumps stacks if all else fails.
 """
+import gc
 import os
 import re
 import signal
@@ -181,6 +182,12 @@ def test_timeout_exceeded_names_the_timeout():
 
 
 def test_ctrl_c_while_waiting_for_a_batch():
+    # Earlier tests leave torch DataLoader iterators in reference cycles; their
+    # __del__ joins workers for seconds. If the collector ran one while our SIGINT
+    # arrived, the KeyboardInterrupt would be raised (and swallowed) inside that
+    # finalizer, not in next(): collect now and keep the collector off meanwhile.
+    gc.collect()
+    gc.disable()
     loader = DataLoader(ds.SleepAtDataset(at=0, seconds=8), batch_size=1, num_workers=1,
                         multiprocessing_context="fork")
     it = iter(loader)
@@ -194,6 +201,7 @@ def test_ctrl_c_while_waiting_for_a_batch():
         elapsed = time.monotonic() - started
     finally:
         timer.cancel()
+        gc.enable()
     assert elapsed < DEATH_BOUND_S, f"KeyboardInterrupt came {elapsed:.1f} s after Ctrl-C"
     pids = list(it.worker_pids)
     del it, loader
