@@ -101,23 +101,22 @@ class DieWhileMainWaitsDataset(Dataset):
         return torch.tensor([index])
 
 
+import tests.datasets as _common  # noqa: E402
+
 # the same as tests.datasets.SleepAtDataset
 from tests.datasets import SleepAtDataset as SleepAtIndexDataset  # noqa: E402,F401
 
 
-class SlowDataset(Dataset):
-    """A 64-int sample every `delay` seconds (the index in every element)."""
+class SlowDataset(_common.SlowDataset):
+    """tests.datasets.SlowDataset with a 64-int sample (the index in every element)
+    and its label."""
 
     def __init__(self, n=100_000, delay=0.01):
-        self.n = n
-        self.delay = delay
-
-    def __len__(self):
-        return self.n
+        super().__init__(n, delay)
 
     def __getitem__(self, index):
-        time.sleep(self.delay)
-        return torch.full((64,), index, dtype=torch.int64), index
+        one = super().__getitem__(index)   # sleeps `delay`
+        return one.expand(64).clone(), index
 
 
 class SmallDataset(Dataset):

@@ -398,8 +398,9 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             try:
                 from .dataloader import remember_final_state
 
-                # stats now, while the workers are there to be measured
-                remember_final_state(loader, self.state_dict(), self.stats())
+                # the epoch's figures, kept for loader.stats(); without reading each
+                # worker's /proc smaps, which would slow every iterator's teardown
+                remember_final_state(loader, self.state_dict(), self.stats(memory=False))
             except Exception:
                 pass
 

@@ -34,8 +34,7 @@ def collect(it, memory=True):
         busy, idle = w["busy_s"], w["idle_s"]
         w["busy_fraction"] = busy / (busy + idle) if busy + idle > 0 else 0.0
         w["ring_occupancy"] = w["slots_held"] / w["slots"] if w["slots"] else 0.0
-        if memory:
-            w.update(_memory(pid))
+        w.update(_memory(pid) if memory else {"uss_bytes": None, "pss_bytes": None})
         workers.append(w)
     return {
         "epoch": it._epoch,
