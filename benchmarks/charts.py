@@ -9,6 +9,8 @@ Charts (each only when its part of the summary is present):
                     range as error bar) against its budget
     scaling.png     samples/s by worker count, one panel per batch size, both loaders
     memory.png      per-worker USS over one tiny-workload epoch, both loaders
+    startup.png     seconds to the first batch under spawn and forkserver, first
+                    and next epoch, torch + list vs fastloader + packed names
 
 Needs matplotlib (``pip install -r requirements-bench.txt``); renders with the
 Agg backend, so no display is needed.
@@ -178,6 +180,44 @@ def memory_chart(summary, path):
     return path
 
 
+def startup_chart(summary, path):
+    """Grouped bars: seconds to the first batch, per start method and epoch."""
+    import statistics
+
+    plt = _pyplot()
+    results = summary["startup"]["results"]
+    groups = [(method, epoch) for method in results for epoch in ("first", "next")]
+    configs = ("torch + list", "fastloader + packed")
+    colors = {"torch + list": _COLORS[TORCH], "fastloader + packed": _COLORS[FASTLOADER]}
+    fig, ax = plt.subplots(figsize=(7.5, 4.4))
+    width = 0.38
+    for k, config in enumerate(configs):
+        xs, heights, errors = [], [], [[], []]
+        for g, (method, epoch) in enumerate(groups):
+            values = results[method][config][epoch]
+            median = statistics.median(values)
+            xs.append(g + (k - 0.5) * width)
+            heights.append(median)
+            errors[0].append(median - min(values))
+            errors[1].append(max(values) - median)
+        ax.bar(xs, heights, width=width, color=colors[config], yerr=errors, capsize=3,
+               label=config, zorder=2)
+        for x, h in zip(xs, heights):
+            ax.annotate(f"{h:.2f} s", (x, h), xytext=(0, 3), textcoords="offset points",
+                        ha="center", fontsize=8)
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels([f"{method}\n{epoch} epoch" for method, epoch in groups], fontsize=9)
+    ax.set_ylabel("seconds to the first batch (median, min-max)")
+    ax.set_title(f"time to first batch, {summary['startup']['names']:,} names, 2 workers "
+                 "(budget: first epoch <= 0.5x torch)", fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3, zorder=0)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def write_charts(summary, out_dir):
     """Write every chart the summary has data for; returns their paths."""
     os.makedirs(out_dir, exist_ok=True)
@@ -188,6 +228,8 @@ def write_charts(summary, out_dir):
         paths.append(scaling_chart(summary, os.path.join(out_dir, "scaling.png")))
     if summary.get("memory", {}).get("traces"):
         paths.append(memory_chart(summary, os.path.join(out_dir, "memory.png")))
+    if summary.get("startup", {}).get("results"):
+        paths.append(startup_chart(summary, os.path.join(out_dir, "startup.png")))
     return paths
 
 

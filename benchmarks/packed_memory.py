@@ -14,8 +14,9 @@ Three sections, each a Markdown table on stdout (progress on stderr):
    warm-up batches and at the end of the epoch, and the total PSS of the main
    process plus the workers at the end. "growth" is what copy-on-read costs a
    forked worker; "USS at end" also shows what spawn/forkserver workers unpickled.
-2. Time to the first batch under spawn (budget: fastloader with a packed array
-   <= 0.5x torch's DataLoader with the list), alternating repeats, medians.
+2. Time to the first batch under spawn and forkserver (budget: fastloader with
+   a packed array <= 0.5x torch's DataLoader with the list), measured by
+   benchmarks.startup, each run in a fresh interpreter, with the floor.
 3. Building, saving and loading packed arrays; scanning a directory tree.
 """
 
@@ -36,14 +37,13 @@ import torch
 import torch.utils.data
 
 from benchmarks import packed_memory_datasets as mds
-from benchmarks.harness import Stats, markdown_table, progress
+from benchmarks import startup
+from benchmarks.harness import markdown_table, progress
 
 MIB = 1 << 20
 WORKERS = 2
 EPOCH_BATCH = 1024
 WARMUP_BATCHES = 16
-TTFB_BATCH = 64
-TTFB_BUDGET = 0.5
 VARIANTS = (("torch", "list"), ("torch", "packed"), ("fastloader", "list"),
             ("fastloader", "packed"))
 QUICK_VARIANTS = (("torch", "list"), ("fastloader", "packed"))
@@ -124,68 +124,19 @@ def run_in_subprocess(spec, timeout=600):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-# ---- 2. time to first batch under spawn -----------------------------------------------------
-
-def time_to_first_batch(loader_cls, dataset, method):
-    # A short random epoch over the whole dataset (every worker still gets all the
-    # names): it ends normally, so no worker is stopped while it is still starting.
-    sampler = torch.utils.data.RandomSampler(dataset, num_samples=TTFB_BATCH * 4 * WORKERS)
-    loader = loader_cls(dataset, batch_size=TTFB_BATCH, sampler=sampler, num_workers=WORKERS,
-                        multiprocessing_context=method)
-    t = time.perf_counter()
-    it = iter(loader)
-    next(it)
-    elapsed = time.perf_counter() - t
-    for _ in it:
-        pass
-    del it, loader
-    gc.collect()
-    return elapsed
-
+# ---- 2. time to first batch under spawn and forkserver -------------------------------------
 
 def ttfb_section(args):
-    from fastloader.packed import PackedStringArray
-
-    n = args.ttfb_names
-    progress(f"time to first batch: building {n:,} names as a list and as a packed array")
-    names = list(mds.iter_names(n))
-    packed = PackedStringArray(names)
-    configs = {
-        "torch + list": (torch.utils.data.DataLoader, mds.NamesDataset(names)),
-        "fastloader + packed": (_loader_class("fastloader"), mds.NamesDataset(packed)),
-        "torch + packed": (torch.utils.data.DataLoader, mds.NamesDataset(packed)),
-        # the floor: starting two interpreters that import torch, no names at all
-        "fastloader, no names": (_loader_class("fastloader"), mds.NoNamesDataset(n)),
-    }
-    times = {k: [] for k in configs}
-    order = list(configs)
-    for repeat in range(args.repeats):
-        for name in (order if repeat % 2 == 0 else order[::-1]):
-            cls, ds = configs[name]
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                s = time_to_first_batch(cls, ds, "spawn")
-            times[name].append(s)
-            progress(f"  spawn repeat {repeat + 1}/{args.repeats} {name:<20} first batch {s:.2f} s")
-            time.sleep(0.5)
-    stats = {k: Stats.of(v) for k, v in times.items()}
-    ref = stats["torch + list"].median
-    paired = [f / t for f, t in zip(times["fastloader + packed"], times["torch + list"])]
-    rows = []
-    for name, s in stats.items():
-        rows.append([name, f"{s.median:.2f} ({s.low:.2f}-{s.high:.2f})", f"{s.median / ref:.2f}x"])
-    ratio = stats["fastloader + packed"].median / ref
-    verdict = "met" if ratio <= TTFB_BUDGET else (
-        "NOT met (within noise)" if min(paired) <= TTFB_BUDGET else "NOT met")
-    table = markdown_table(["spawn, 2 workers, batch 64", "1st batch s median (min-max)",
-                            "vs torch + list"], rows)
-    summary = (f"\nfastloader + packed vs torch + list: **{ratio:.2f}x** "
-               f"(per-repeat {min(paired):.2f}-{max(paired):.2f}), budget <= {TTFB_BUDGET}x: "
-               f"{verdict}. {n:,} names, {args.repeats} alternating repeats. \"no names\" is "
-               "the floor: the same loader and workers with a dataset that holds nothing.")
-    del names, packed, configs
-    gc.collect()
-    return table + summary, {"names": n, "seconds": times, "ratio": ratio, "verdict": verdict}
+    # benchmarks.startup measures it (each run in a fresh interpreter); here with
+    # the floor configurations too
+    methods = [m for m in args.methods if m != "fork"] or ["spawn"]
+    results = startup.run(args.ttfb_names, methods, args.repeats, floor=True,
+                          step_prefix="time to first batch: ")
+    out = {"names": args.ttfb_names, "results": results,
+           "verdicts": {m: startup.verdict(t)[1] for m, t in results.items()}}
+    text = startup.render_report(results, args.ttfb_names, args.repeats)
+    return text + (" \"fastloader, no names\" is the floor: the same loader and workers "
+                   "with a dataset that holds nothing."), out
 
 
 # ---- 3. building, loading, scanning -----------------------------------------------------------
@@ -307,7 +258,7 @@ def parse_args(argv):
                         help="comma-separated start methods (default fork,spawn,forkserver; "
                              "fork,spawn with --quick)")
     parser.add_argument("--repeats", type=int, default=None,
-                        help="time-to-first-batch repeats (default 5, 2 with --quick)")
+                        help="time-to-first-batch repeats (default 3, 1 with --quick)")
     parser.add_argument("--scan-files", type=int, default=None,
                         help="files in the directory-scan tree (default 200k, 20k with --quick)")
     parser.add_argument("--sections", default="epoch,ttfb,build",
@@ -321,7 +272,7 @@ def parse_args(argv):
         args.methods = "fork,spawn" if args.quick else "fork,spawn,forkserver"
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if args.repeats is None:
-        args.repeats = 2 if args.quick else 5
+        args.repeats = 1 if args.quick else 3
     if args.scan_files is None:
         args.scan_files = 20_000 if args.quick else 200_000
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
@@ -342,7 +293,7 @@ def main(argv=None):
         print("### Worker memory over one epoch\n\n" + text + "\n", flush=True)
     if "ttfb" in args.sections:
         text, out["ttfb"] = ttfb_section(args)
-        print("### Time to first batch, spawn\n\n" + text + "\n", flush=True)
+        print("### Time to first batch, spawn and forkserver\n\n" + text + "\n", flush=True)
     if "build" in args.sections:
         print("### Building and loading\n\n" + build_section(args) + "\n", flush=True)
     if args.json:

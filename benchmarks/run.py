@@ -11,6 +11,9 @@ Steps, in order (``--only`` picks a subset):
                 (benchmarks.throughput; 2 workers, batch 64)
     scaling     tiny samples, 1/2/4 workers x batch 1/16/256 (benchmarks.scaling)
     memory      per-worker USS over a tiny-workload epoch (benchmarks.memory)
+    startup     time to the first batch under spawn and forkserver, 2M packed
+                names vs torch with a list, each in a fresh interpreter
+                (benchmarks.startup)
     charts      throughput.png, scaling.png, memory.png (benchmarks.charts)
 
 Writes ``summary.json`` and the PNGs into ``--out-dir`` (default
@@ -27,10 +30,10 @@ import time
 
 import torch
 
-from benchmarks import charts, memory, scaling, throughput
+from benchmarks import charts, memory, scaling, startup, throughput
 from benchmarks.harness import progress
 
-STEPS = ("throughput", "scaling", "memory", "charts")
+STEPS = ("throughput", "scaling", "memory", "startup", "charts")
 
 
 def _steps(text):
@@ -119,6 +122,17 @@ def main(argv=None):
             "traces": memory.traces_to_json(traces),
         }
         sections.append("## Per-worker memory\n\n" + memory.render_report(traces, step_args))
+
+    if "startup" in args.only:
+        step_args = startup.parse_args(["--quick"] if args.quick else [])
+        results = startup.run(step_args.names, step_args.methods, step_args.repeats,
+                              step_prefix="startup ")
+        verdicts = {method: startup.verdict(times)[1] for method, times in results.items()}
+        summary["startup"] = {"names": step_args.names, "repeats": step_args.repeats,
+                              "results": results, "verdicts": verdicts}
+        sections.append("## Time to first batch\n\n"
+                        + startup.render_report(results, step_args.names, step_args.repeats))
+        missed = missed or any(v == "NOT met" for v in verdicts.values())
 
     summary_path = os.path.join(args.out_dir, "summary.json")
     if "charts" in args.only:

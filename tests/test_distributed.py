@@ -7,10 +7,8 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 import fastloader
-from tests.helpers import clone_batch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

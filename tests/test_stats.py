@@ -4,8 +4,6 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 import fastloader
 from tests import datasets as ds
 from tests.helpers import deadline

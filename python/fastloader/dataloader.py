@@ -6,6 +6,7 @@ import weakref
 
 from torch.utils.data import DataLoader as _TorchDataLoader
 
+from . import forkserver
 from . import resume as _resume
 from .iterator import FastMultiProcessingIter
 from .pool import STRATEGIES
@@ -63,6 +64,8 @@ class DataLoader(_TorchDataLoader):
         super().__init__(*args, **kwargs)
         self.sharing_strategy = sharing_strategy
         self.snapshot_every_n_steps = snapshot_every_n_steps
+        # under 'forkserver', start the server now, with torch preloaded
+        forkserver.warm_up(self.multiprocessing_context, self.num_workers)
 
     def __setattr__(self, attr, val):
         if attr == "sharing_strategy":

@@ -16,7 +16,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from . import _core
+from . import _core, forkserver
 from .worker import worker_main
 
 # Main-process ends of live channels: a worker forked later closes them at start.
@@ -133,6 +133,8 @@ class WorkerPool:
 
     def _start_all(self, context, specs, strategy, task_capacity, result_capacity):
         method = context.get_start_method()
+        if method == "forkserver":
+            forkserver.add_preload()   # in case the loader did not start it already
         if method == "fork" or len(specs) == 1:
             # One at a time: a forked worker inherits every fd open at that moment,
             # and should not hold its later siblings' channel ends.

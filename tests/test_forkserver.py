@@ -1,0 +1,139 @@
+"""The forkserver fastloader warms: started when a 'forkserver' loader is built,
+with fastloader's worker module (and torch) preloaded, the user's own preload
+list kept, and nothing started or changed otherwise.
+
+Each case runs in a fresh interpreter: the forkserver lives as long as the
+process that started it, and this test process may already have one."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Imported by the child script: watch a process's memory map for fastloader's
+# C module (the preload's sure sign), and compare a loader with torch's.
+_PRELUDE = """
+import json, os, sys, time
+import multiprocessing
+import torch
+import fastloader
+from fastloader import forkserver as fs
+from tests.datasets import TensorLabelDataset
+
+def has_core(pid):
+    with open(f"/proc/{pid}/maps") as f:
+        return any("fastloader/_core" in line for line in f)
+
+def wait_for_core(pid, timeout=90):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if has_core(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+def compare(loader):
+    ref = torch.utils.data.DataLoader(loader.dataset, batch_size=loader.batch_size)
+    got = list(loader)
+    want = list(ref)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert all(torch.equal(a, b) for a, b in zip(g, w))
+    return len(got)
+"""
+
+
+def _run(body, env_extra=None):
+    env = dict(os.environ, **(env_extra or {}))
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    code = _PRELUDE + "\nif __name__ == '__main__':\n" + textwrap.indent(textwrap.dedent(body), "    ")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_building_a_loader_starts_a_server_that_preloads_fastloader():
+    out = _run("""
+        multiprocessing.set_forkserver_preload(["json"])   # the user's own entry stays
+        assert fs.server_pid() is None
+        loader = fastloader.DataLoader(TensorLabelDataset(40), batch_size=4, num_workers=2,
+                                       multiprocessing_context="forkserver")
+        pid = fs.server_pid()
+        assert pid is not None, "no server started when the loader was built"
+        preloaded = wait_for_core(pid)
+        it = iter(loader)
+        parents = [open(f"/proc/{w}/stat").read().split(") ")[1].split()[1]
+                   for w in it._pool.pids]
+        del it
+        n = compare(loader)
+        print(json.dumps({"preloaded": preloaded, "server": pid, "parents": parents,
+                          "batches": n, "same_server": fs.server_pid() == pid,
+                          "list": multiprocessing.forkserver._forkserver._preload_modules}))
+    """)
+    assert out["preloaded"], "the forkserver never loaded fastloader's C module"
+    assert out["same_server"]
+    assert out["parents"] == [str(out["server"])] * 2, "workers must be forks of that server"
+    assert out["batches"] == 10
+    assert out["list"][0] == "json" and out["list"][-1] == "fastloader.worker"
+
+
+def test_preload_can_be_turned_off():
+    out = _run("""
+        loader = fastloader.DataLoader(TensorLabelDataset(40), batch_size=4, num_workers=2,
+                                       multiprocessing_context="forkserver")
+        started_early = fs.server_pid() is not None
+        n = compare(loader)
+        pid = fs.server_pid()
+        print(json.dumps({"started_early": started_early, "core": has_core(pid),
+                          "batches": n}))
+    """, {"FASTLOADER_FORKSERVER_PRELOAD": "0"})
+    assert not out["started_early"]
+    assert not out["core"], "the server preloaded fastloader although turned off"
+    assert out["batches"] == 10
+
+
+@pytest.mark.parametrize("kwargs", [
+    "num_workers=0",
+    "num_workers=2, multiprocessing_context='fork'",
+    "num_workers=2, multiprocessing_context='spawn'",
+    "num_workers=2",   # the default start method is fork on Linux before 3.14
+])
+def test_no_server_for_other_loaders(kwargs):
+    if "context" not in kwargs and sys.version_info >= (3, 14):
+        pytest.skip("forkserver is the default start method on 3.14")
+    out = _run(f"""
+        loader = fastloader.DataLoader(TensorLabelDataset(8), batch_size=4, {kwargs})
+        print(json.dumps({{"server": fs.server_pid(),
+                           "method": multiprocessing.get_start_method(allow_none=True)}}))
+    """)
+    assert out["server"] is None
+    assert out["method"] is None, "building a loader must not fix the default start method"
+
+
+def test_a_server_already_running_is_used_as_it_is():
+    out = _run("""
+        multiprocessing.forkserver.ensure_running()
+        pid = fs.server_pid()
+        loader = fastloader.DataLoader(TensorLabelDataset(40), batch_size=4, num_workers=2,
+                                       multiprocessing_context="forkserver")
+        n = compare(loader)
+        print(json.dumps({"same": fs.server_pid() == pid, "core": has_core(pid), "batches": n}))
+    """)
+    assert out["same"] and out["batches"] == 10
+    assert not out["core"]
+
+
+def test_default_start_method_forkserver_is_warmed_too():
+    out = _run("""
+        multiprocessing.set_start_method("forkserver")
+        loader = fastloader.DataLoader(TensorLabelDataset(40), batch_size=4, num_workers=2)
+        pid = fs.server_pid()
+        preloaded = pid is not None and wait_for_core(pid)
+        print(json.dumps({"preloaded": preloaded, "batches": compare(loader)}))
+    """)
+    assert out["preloaded"] and out["batches"] == 10
