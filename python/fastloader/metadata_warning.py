@@ -198,8 +198,7 @@ def _message(f: Finding, dataset, num_workers: int, method: str) -> str:
         how = ("each forked worker copies the pages it reads (reading a Python object "
                "writes its reference count)")
     else:
-        how = (f"each '{method}' worker unpickles its own copy at start-up (and the main "
-               "process pickles it once per worker)")
+        how = f"each '{method}' worker unpickles its own copy at start-up"
     short = f.path.split(".")[-1]
     if f.numeric:
         fix = f"store it as a NumPy array (np.asarray({short})) or a tensor: no object per item"

@@ -8,6 +8,7 @@ from C through a pidfd per worker; this module turns a death into a clear error.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import os
 import signal
 import threading
@@ -16,7 +17,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from . import _core, forkserver
+from . import _core, forkserver, payload
 from .worker import worker_main
 
 # Main-process ends of live channels: a worker forked later closes them at start.
@@ -30,7 +31,8 @@ STRATEGIES = {"file_descriptor": _core.STRATEGY_FD, "file_system": _core.STRATEG
 
 @dataclass
 class WorkerSpec:
-    """Everything a worker needs; pickled once per worker under spawn/forkserver."""
+    """Everything a worker needs; pickled per worker under spawn/forkserver,
+    except the heavy part when payload.py can send that once."""
     dataset_kind: int
     dataset: Any
     auto_collation: bool
@@ -44,6 +46,9 @@ class WorkerSpec:
     snapshot_every: int = 0   # see resume.py
     rank_text: str = ""       # " on rank R of W" in a distributed job, for messages
     shared_seed: Optional[int] = None   # IterDataPipe: one seed for all workers
+    # (fd, size) of the dataset, collate_fn and worker_init_fn pickled once for
+    # all workers (see payload.py); those three fields are None then
+    payload: Any = None
 
 
 class _Fd:
@@ -68,6 +73,20 @@ class _Fd:
 
 def _fd_arg(fd: int):
     return _Fd(fd) if fd >= 0 else -1
+
+
+def _share_heavy_part(specs):
+    """The workers' dataset, collate_fn and worker_init_fn in one shared pickle,
+    or None where each worker's start must pickle its own (see payload.py)."""
+    first = specs[0]
+    heavy = (first.dataset, first.collate_fn, first.worker_init_fn)
+    if any(s.dataset is not heavy[0] or s.collate_fn is not heavy[1]
+           or s.worker_init_fn is not heavy[2] for s in specs):
+        return None
+    blob = payload.pickle_once(heavy)
+    if blob is None or len(blob) < payload.MIN_BYTES:
+        return None
+    return payload.SharedPickle(blob)
 
 
 def _explain_start_error(exc, method):
@@ -146,9 +165,23 @@ class WorkerPool:
         # that the child reads only after importing the main module (seconds,
         # with torch); started one after the other, big datasets would serialise
         # the workers' start-up. Start them all at once instead.
-        procs = [self._prepare(context, spec, strategy, task_capacity, result_capacity)
-                 for spec in specs]
-        self._launch(procs, method)
+        # The dataset is pickled once for all of them where that is valid.
+        from .packed import loader_strategy
+
+        with loader_strategy(self.strategy_name):
+            shared = _share_heavy_part(specs)
+        try:
+            if shared is not None:
+                specs = [dataclasses.replace(spec, dataset=None, collate_fn=None,
+                                             worker_init_fn=None,
+                                             payload=(_Fd(shared.fd), shared.size))
+                         for spec in specs]
+            procs = [self._prepare(context, spec, strategy, task_capacity, result_capacity)
+                     for spec in specs]
+            self._launch(procs, method)
+        finally:
+            if shared is not None:
+                shared.close()   # every child has its own copy of the fd by now
 
     def _prepare(self, context, spec, strategy, task_capacity, result_capacity):
         ch = _core.MainChannel(spec.worker_id, strategy, self.prefix, task_capacity,

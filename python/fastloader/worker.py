@@ -15,6 +15,7 @@ from torch.utils.data._utils.worker import WorkerInfo
 
 from . import _codec_hooks  # noqa: F401  (registers the codec hooks in this process)
 from . import _core
+from . import payload as _payload
 from . import resume as _resume
 from .collate import worker_collate
 
@@ -125,6 +126,9 @@ def worker_main(spec, handle, fds):
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked for start-up
     ctl_fd, efd_main, efd_worker, sock = (f.detach() if hasattr(f, "detach") else f
                                           for f in fds)
+    if spec.payload is not None:   # the heavy part, pickled once for all workers
+        fd, size = spec.payload
+        spec.dataset, spec.collate_fn, spec.worker_init_fn = _payload.load(fd.detach(), size)
     _close_inherited_fds({ctl_fd, efd_main, efd_worker, sock})
     chan = _core.WorkerChannel(handle, ctl_fd, efd_main, efd_worker, sock, spec.nslots)
     try:
