@@ -79,10 +79,13 @@ def _memfd_links(pid):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_the_shared_pickle_is_let_go_everywhere(method):
+    # persistent workers outlive the epoch; once both have served a batch, both
+    # have unpickled the dataset (a worker does that before its first task)
     loader = DataLoader(pd.CountedDataset(n=64), batch_size=8, num_workers=2,
-                        multiprocessing_context=method)
+                        multiprocessing_context=method, persistent_workers=True)
     it = iter(loader)
-    next(it)
+    served = {int(b[0, 3]) for b in it}
+    assert served == set(it._pool.pids), "both workers should have served"
     assert _memfd_links(os.getpid()) == []
     for pid in it._pool.pids:
         assert _memfd_links(pid) == [], "a worker kept the payload's fd"
