@@ -19,10 +19,13 @@ Method, and why:
 """
 
 import gc
+import json
 import mmap
+import os
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -374,3 +377,24 @@ def markdown_table(headers, rows, align=None):
 def progress(message):
     """Progress goes to stderr so stdout holds only the report."""
     print(message, file=sys.stderr, flush=True)
+
+
+def run_child(module, spec, timeout=600):
+    """Run ``<module>.py --child <spec as JSON>`` in a fresh interpreter (so no
+    measurement inherits another's heap or forkserver); the child prints its
+    result as JSON on its last stdout line.
+
+    The module runs as a script, by path, as a training script does: Python's
+    forkserver preloads the main module only when it has a path (not under
+    ``python -m``), and a script importing torch at the top thereby gives every
+    forkserver, torch's DataLoader's too, torch preloaded."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, *module.split(".")) + ".py"
+    cmd = [sys.executable, script, "--child", json.dumps(spec)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=root,
+                          env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"{module} with {spec} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])

@@ -25,7 +25,6 @@ import gc
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,7 +37,7 @@ import torch.utils.data
 
 from benchmarks import packed_memory_datasets as mds
 from benchmarks import startup
-from benchmarks.harness import markdown_table, progress
+from benchmarks.harness import markdown_table, progress, run_child
 
 MIB = 1 << 20
 WORKERS = 2
@@ -114,14 +113,6 @@ def run_epoch(spec):
     }
     it._shutdown_workers()
     return result
-
-
-def run_in_subprocess(spec, timeout=600):
-    cmd = [sys.executable, "-m", "benchmarks.packed_memory", "--child", json.dumps(spec)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    if done.returncode != 0:
-        raise RuntimeError(f"configuration {spec} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 # ---- 2. time to first batch under spawn and forkserver -------------------------------------
@@ -216,7 +207,7 @@ def epoch_section(args):
         for loader, storage in variants:
             spec = {"loader": loader, "storage": storage, "method": method, "names": args.names}
             progress(f"epoch: {method:<10} {loader:<10} + {storage:<6} ...")
-            r = run_in_subprocess(spec)
+            r = run_child("benchmarks.packed_memory", spec)
             growth = max(e - s for s, e in zip(r["worker_uss_start"], r["worker_uss_end"]))
             progress(f"  worker USS growth {growth / MIB:.1f} MiB, end "
                      f"{max(r['worker_uss_end']) / MIB:.1f} MiB, PSS total "

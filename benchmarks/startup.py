@@ -26,14 +26,12 @@ the per-repeat ratios, with their range.
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 import warnings
 
 from benchmarks import packed_memory_datasets as mds
-from benchmarks.harness import Stats, markdown_table, progress
+from benchmarks.harness import Stats, markdown_table, progress, run_child
 
 WORKERS = 2
 BATCH = 64
@@ -103,15 +101,6 @@ def measure(spec):
     return {"first": first, "next": second}
 
 
-def run_child(spec, timeout=300):
-    cmd = [sys.executable, "-m", "benchmarks.startup", "--child", json.dumps(spec)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    if done.returncode != 0:
-        raise RuntimeError(f"start-up measurement {spec} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 # ---- the comparison --------------------------------------------------------------------------
 
 def run(names, methods, repeats, floor=False, step_prefix=""):
@@ -123,7 +112,7 @@ def run(names, methods, repeats, floor=False, step_prefix=""):
         for repeat in range(repeats):
             for config in (configs if repeat % 2 == 0 else configs[::-1]):
                 loader, storage = CONFIGS[config]
-                got = run_child({"loader": loader, "storage": storage, "method": method,
+                got = run_child("benchmarks.startup", {"loader": loader, "storage": storage, "method": method,
                                  "names": names})
                 for key in ("first", "next"):
                     times[config][key].append(got[key])

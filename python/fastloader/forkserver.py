@@ -1,10 +1,11 @@
 """A forkserver that already holds torch.
 
 Under the 'forkserver' start method (Python's default on Linux from 3.14),
-every worker is forked from one server process that, by default, preloads only
-the main module. Each worker then imports torch on its own (about a second),
-and does so again every epoch unless the workers are persistent; torch's
-DataLoader pays that each time.
+every worker is forked from one server process. By default the server is meant
+to preload only the main module, and on Python 3.11 not even that happens (the
+main module's path is handed over under a key the server never reads). Each
+worker then imports torch on its own (about a second), and does so again every
+epoch unless the workers are persistent; torch's DataLoader pays that each time.
 
 fastloader adds its worker module, and with it torch, to the server's preload
 list, and starts the server as soon as a loader that will use it is built. The
