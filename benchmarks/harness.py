@@ -379,6 +379,21 @@ def progress(message):
     print(message, file=sys.stderr, flush=True)
 
 
+def json_record(benchmark, environment, settings, **data):
+    """The JSON document of one benchmark: what ran, when, on what, with which
+    settings (an argparse namespace or a dict), then its data."""
+    if not isinstance(settings, dict):
+        settings = {key: value for key, value in vars(settings).items() if key != "json"}
+    return {"benchmark": benchmark, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "environment": environment, "settings": settings, **data}
+
+
+def write_json(path, document):
+    with open(path, "w") as stream:
+        json.dump(document, stream, indent=2)
+        stream.write("\n")
+
+
 def run_child(module, spec, timeout=600):
     """Run ``<module>.py --child <spec as JSON>`` in a fresh interpreter (so no
     measurement inherits another's heap or forkserver); the child prints its

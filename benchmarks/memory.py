@@ -17,7 +17,6 @@ report to stdout.
 """
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -30,11 +29,13 @@ from benchmarks import datasets
 from benchmarks.harness import (
     MIB,
     iterator_worker_pids,
+    json_record,
     markdown_table,
     progress,
     touch,
     wait_for_workers_to_exit,
     warm_up,
+    write_json,
 )
 from benchmarks.throughput import FASTLOADER, TORCH, environment, import_fastloader, warmup_batches
 
@@ -203,15 +204,8 @@ def main(argv=None):
     traces = trace_loaders(args, fastloader_cls)
     print(render_report(traces, args))
     if args.json:
-        with open(args.json, "w") as stream:
-            json.dump({
-                "benchmark": "memory",
-                "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                "environment": environment(fastloader_module),
-                "settings": {key: value for key, value in vars(args).items() if key != "json"},
-                "traces": traces_to_json(traces),
-            }, stream, indent=2)
-            stream.write("\n")
+        write_json(args.json, json_record("memory", environment(fastloader_module), args,
+                                          traces=traces_to_json(traces)))
     return 0
 
 

@@ -17,6 +17,7 @@ in ``benchmarks.core_profile`` (callgrind); this shows the whole process,
 Python and torch included, which callgrind is too slow for.
 """
 import argparse
+import functools
 import os
 import re
 import shutil
@@ -75,6 +76,7 @@ def record(name, epochs, batches_per_epoch, out):
     return pids[0], pids[1:], batches
 
 
+@functools.lru_cache(maxsize=None)   # the main process's and the workers' tables come from one run
 def report(data, sort):
     """{pid: [(samples, what)]} for ``--sort pid,<sort>``, flat (no call graphs).
     (perf report's own --pid filter miscounts processes it attached to.)"""

@@ -31,7 +31,7 @@ import time
 import torch
 
 from benchmarks import charts, memory, scaling, startup, throughput
-from benchmarks.harness import progress
+from benchmarks.harness import json_record, progress, write_json
 
 STEPS = ("throughput", "scaling", "memory", "startup", "charts")
 
@@ -78,13 +78,10 @@ def main(argv=None):
         charts._pyplot()  # fail now, not after minutes of measuring, if matplotlib is missing
     os.makedirs(args.out_dir, exist_ok=True)
     verbose = ["-v"] if args.verbose else []
-    summary = {
-        "benchmark": "run",
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "environment": throughput.environment(fastloader_module),
-        "settings": {"quick": args.quick, "context": args.context, "only": args.only},
-        "command": " ".join(["python -m benchmarks.run", *(sys.argv[1:] if argv is None else argv)]),
-    }
+    summary = json_record(
+        "run", throughput.environment(fastloader_module),
+        {"quick": args.quick, "context": args.context, "only": args.only},
+        command=" ".join(["python -m benchmarks.run", *(sys.argv[1:] if argv is None else argv)]))
     sections = []
     missed = False
 
@@ -101,26 +98,16 @@ def main(argv=None):
         progress(f"scaling: workers {step_args.workers} x batch sizes {step_args.batch_sizes}, "
                  f"{step_args.repeats} repeat(s)")
         cells = scaling.run_cells(step_args, fastloader_cls, step_prefix="scaling ")
-        summary["scaling"] = {
-            "benchmark": "scaling",
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "environment": summary["environment"],
-            "settings": vars(step_args),
-            "cells": scaling.cells_to_json(cells),
-        }
+        summary["scaling"] = json_record("scaling", summary["environment"], step_args,
+                                         cells=scaling.cells_to_json(cells))
         sections.append("## Scaling\n\n" + scaling.render_report(cells, step_args))
         missed = missed or any(not cell.data_agrees for cell in cells)
 
     if "memory" in args.only:
         step_args = memory.parse_args(_sub_argv(args))
         traces = memory.trace_loaders(step_args, fastloader_cls)
-        summary["memory"] = {
-            "benchmark": "memory",
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "environment": summary["environment"],
-            "settings": vars(step_args),
-            "traces": memory.traces_to_json(traces),
-        }
+        summary["memory"] = json_record("memory", summary["environment"], step_args,
+                                        traces=memory.traces_to_json(traces))
         sections.append("## Per-worker memory\n\n" + memory.render_report(traces, step_args))
 
     if "startup" in args.only:
@@ -149,9 +136,7 @@ def main(argv=None):
     elapsed = time.perf_counter() - started
     summary["elapsed_s"] = elapsed
     if set(args.only) != {"charts"}:
-        with open(summary_path, "w") as stream:
-            json.dump(summary, stream, indent=2)
-            stream.write("\n")
+        write_json(summary_path, summary)
     progress(f"done in {elapsed:.0f} s; summary: {os.path.relpath(summary_path)}")
     env = summary["environment"]
     print(f"# fastloader benchmarks\n\nfastloader {env.get('fastloader')} vs torch {torch.__version__}, "

@@ -17,7 +17,6 @@ Progress goes to stderr, the Markdown report to stdout.
 """
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -31,9 +30,11 @@ from benchmarks import datasets
 from benchmarks.harness import (
     Stats,
     checksums_agree,
+    json_record,
     markdown_table,
     progress,
     run_alternating,
+    write_json,
 )
 from benchmarks.throughput import FASTLOADER, TORCH, environment, import_fastloader, warmup_batches
 
@@ -202,15 +203,8 @@ def main(argv=None):
     cells = run_cells(args, fastloader_cls)
     print(render_report(cells, args))
     if args.json:
-        with open(args.json, "w") as stream:
-            json.dump({
-                "benchmark": "scaling",
-                "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                "environment": environment(fastloader_module),
-                "settings": {key: value for key, value in vars(args).items() if key != "json"},
-                "cells": cells_to_json(cells),
-            }, stream, indent=2)
-            stream.write("\n")
+        write_json(args.json, json_record("scaling", environment(fastloader_module), args,
+                                          cells=cells_to_json(cells)))
     return 0
 
 

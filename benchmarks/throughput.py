@@ -24,7 +24,6 @@ The exit status is 0 unless --check is given and a budget is clearly missed.
 
 import argparse
 import functools
-import json
 import os
 import platform
 import sys
@@ -39,11 +38,13 @@ from benchmarks import datasets
 from benchmarks.harness import (
     Stats,
     checksums_agree,
+    json_record,
     markdown_table,
     progress,
     run_alternating,
     time_next_calls,
     time_one_epoch,
+    write_json,
 )
 
 FASTLOADER = "fastloader"
@@ -339,13 +340,10 @@ def environment(fastloader_module):
 
 
 def report_to_json(reports, args, fastloader_module):
-    return {
-        "benchmark": "throughput",
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "environment": environment(fastloader_module),
-        "settings": {key: value for key, value in vars(args).items() if key not in ("json",)},
-        "warmup_batches": warmup_batches(args.num_workers),
-        "workloads": [
+    return json_record(
+        "throughput", environment(fastloader_module), args,
+        warmup_batches=warmup_batches(args.num_workers),
+        workloads=[
             {
                 "name": report.workload.name,
                 "description": report.workload.description,
@@ -369,7 +367,7 @@ def report_to_json(reports, args, fastloader_module):
             }
             for report in reports
         ],
-    }
+    )
 
 
 def run_workloads(args, fastloader_module, fastloader_cls, step_prefix=""):
@@ -398,9 +396,7 @@ def main(argv=None):
     reports = run_workloads(args, fastloader_module, fastloader_cls)
     print(render_report(reports, args))
     if args.json:
-        with open(args.json, "w") as stream:
-            json.dump(report_to_json(reports, args, fastloader_module), stream, indent=2)
-            stream.write("\n")
+        write_json(args.json, report_to_json(reports, args, fastloader_module))
     if args.check and any(report.clearly_missed for report in reports):
         return 1
     return 0

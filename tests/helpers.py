@@ -1,4 +1,6 @@
 """Helpers shared by the fastloader tests (comparison, deadlines, process/fd probes)."""
+import collections
+import collections.abc
 import contextlib
 import gc
 import glob
@@ -16,10 +18,15 @@ SHM_GLOB = "/dev/shm/fastloader-*"
 
 # ---- comparing batches --------------------------------------------------------------
 
-def assert_same_batches(a, b, path="batch"):
-    """Assert that two (nested) batches are identical: same types at every level
+def assert_same_batches(a, b, path="batch", exact=()):
+    """Assert that two (nested) values are identical: same types at every level
     (``type(x) is type(y)``, so namedtuple vs tuple or np.float64 vs float count),
-    same dtypes, shapes and values, same dict key order."""
+    same dtypes, shapes, devices and values, same key order, and for mappings and
+    other objects the same attributes (dict subclasses' ``__dict__``, defaultdict
+    factories). Instances of the types in ``exact`` are compared with ``==``."""
+    if isinstance(a, exact) or isinstance(b, exact):
+        assert a == b, f"{path}: {a!r} != {b!r}"
+        return
     assert type(a) is type(b), f"{path}: type {type(a).__name__} != {type(b).__name__}"
     if isinstance(a, torch.Tensor):
         assert a.dtype == b.dtype, f"{path}: dtype {a.dtype} != {b.dtype}"
@@ -29,22 +36,28 @@ def assert_same_batches(a, b, path="batch"):
     elif isinstance(a, np.ndarray):
         assert a.dtype == b.dtype, f"{path}: dtype {a.dtype} != {b.dtype}"
         assert a.shape == b.shape, f"{path}: shape {a.shape} != {b.shape}"
-        assert np.array_equal(a, b), f"{path}: values differ\n{a}\n!=\n{b}"
+        # object arrays hold Python values: compare those, not their identities
+        same = a.tolist() == b.tolist() if a.dtype == object else np.array_equal(a, b)
+        assert same, f"{path}: values differ\n{a!r}\n!=\n{b!r}"
     elif isinstance(a, np.generic):
         assert a.dtype == b.dtype, f"{path}: dtype {a.dtype} != {b.dtype}"
         assert a == b, f"{path}: {a!r} != {b!r}"
-    elif isinstance(a, dict):
+    elif isinstance(a, collections.abc.Mapping):
         assert list(a.keys()) == list(b.keys()), f"{path}: keys {list(a)} != {list(b)}"
         for key in a:
-            assert_same_batches(a[key], b[key], f"{path}[{key!r}]")
+            assert_same_batches(a[key], b[key], f"{path}[{key!r}]", exact)
+        if isinstance(a, collections.defaultdict):
+            assert a.default_factory is b.default_factory, f"{path}: default_factory"
+        if hasattr(a, "__dict__"):
+            assert_same_batches(vars(a), vars(b), f"{path}.__dict__", exact)
     elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), f"{path}: length {len(a)} != {len(b)}"
+        assert len(a) == len(b), f"{path}: length {len(a)} != {len(b)}\n{a!r}\n{b!r}"
         for i, (x, y) in enumerate(zip(a, b)):
-            assert_same_batches(x, y, f"{path}[{i}]")
-    elif isinstance(a, (str, bytes, int, float, complex, type(None))):
+            assert_same_batches(x, y, f"{path}[{i}]", exact)
+    elif isinstance(a, (str, bytes, int, float, complex, type(None), range, type)):
         assert a == b, f"{path}: {a!r} != {b!r}"
     elif hasattr(a, "__dict__"):
-        assert_same_batches(vars(a), vars(b), f"{path}.__dict__")
+        assert_same_batches(vars(a), vars(b), f"{path}.__dict__", exact)
     else:
         assert a == b, f"{path}: {a!r} != {b!r}"
 

@@ -5,46 +5,14 @@ import os
 import torch
 from torch.utils.data import Dataset
 
+# the memory benchmarks' datasets, one definition for both (a sample of
+# NoNamesDataset is always 40)
+from benchmarks.packed_memory_datasets import NamesDataset, NoNamesDataset  # noqa: F401
+
 
 def make_names(n, start=0):
     """n distinct, realistic file names (about 40 bytes each), built fast."""
     return [f"train/n{(i * 7919) % 1000:05d}/img_{i:09d}.JPEG" for i in range(start, start + n)]
-
-
-class NamesDataset(Dataset):
-    """The classic index dataset: one file name per sample (a list or a packed array).
-
-    __getitems__ fetches a whole batch, as a dataset on a fast path does, so that an
-    epoch over a million names takes about a second; every name is still read."""
-
-    def __init__(self, names):
-        self.names = names
-
-    def __len__(self):
-        return len(self.names)
-
-    def __getitem__(self, index):
-        return len(self.names[index])
-
-    def __getitems__(self, indices):
-        names = self.names
-        return [len(names[i]) for i in indices]
-
-
-class NoNamesDataset(Dataset):
-    """The same samples' shape without holding any names: the memory baseline."""
-
-    def __init__(self, n):
-        self.n = n
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, index):
-        return 37 + index % 3
-
-    def __getitems__(self, indices):
-        return [37 + i % 3 for i in indices]
 
 
 class ItemDataset(Dataset):

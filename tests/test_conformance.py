@@ -32,8 +32,6 @@ datasets, persistent workers, the multiprocessing_context itself) also runs unde
 "spawn" and "forkserver". Those cost about a second per loader on a 2-core box, so
 they get few, small loaders.
 """
-import collections
-import collections.abc
 import dataclasses
 import gc
 import inspect
@@ -59,7 +57,7 @@ from torch.utils.data import (
 import fastloader
 from tests import conformance_datasets as cds
 from tests import datasets as ds
-from tests.helpers import deadline
+from tests.helpers import assert_same_batches, deadline
 
 TORCH = torch.utils.data.DataLoader
 FAST = fastloader.DataLoader
@@ -194,42 +192,9 @@ def observe(scenario, cls, seconds):
 
 
 def assert_same(a, b, path="value"):
-    """Exactly the same value: type at every level, dtype, shape, values, key order,
-    dict-subclass attributes and defaultdict factories."""
-    if isinstance(a, Raised) or isinstance(b, Raised):
-        assert a == b, f"{path}: torch {a!r} != fastloader {b!r}"
-        return
-    assert type(a) is type(b), f"{path}: type {type(a).__name__} != {type(b).__name__}"
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype, f"{path}: dtype {a.dtype} != {b.dtype}"
-        assert a.shape == b.shape, f"{path}: shape {tuple(a.shape)} != {tuple(b.shape)}"
-        assert a.device == b.device, f"{path}: device {a.device} != {b.device}"
-        assert torch.equal(a, b), f"{path}: values differ\n{a}\n!=\n{b}"
-    elif isinstance(a, np.ndarray):
-        assert a.dtype == b.dtype, f"{path}: dtype {a.dtype} != {b.dtype}"
-        assert a.shape == b.shape, f"{path}: shape {a.shape} != {b.shape}"
-        assert a.tolist() == b.tolist(), f"{path}: values differ\n{a!r}\n!=\n{b!r}"
-    elif isinstance(a, np.generic):
-        assert a.dtype == b.dtype, f"{path}: dtype {a.dtype} != {b.dtype}"
-        assert a == b, f"{path}: {a!r} != {b!r}"
-    elif isinstance(a, collections.abc.Mapping):
-        assert list(a.keys()) == list(b.keys()), f"{path}: keys {list(a)} != {list(b)}"
-        for key in a:
-            assert_same(a[key], b[key], f"{path}[{key!r}]")
-        if isinstance(a, collections.defaultdict):
-            assert a.default_factory is b.default_factory, f"{path}: default_factory"
-        if hasattr(a, "__dict__"):
-            assert_same(vars(a), vars(b), f"{path}.__dict__")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), f"{path}: length {len(a)} != {len(b)}\n{a!r}\n{b!r}"
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{path}[{i}]")
-    elif isinstance(a, (str, bytes, int, float, complex, type(None), range, type)):
-        assert a == b, f"{path}: {a!r} != {b!r}"
-    elif hasattr(a, "__dict__"):
-        assert_same(vars(a), vars(b), f"{path}.__dict__")
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
+    """Exactly the same value (see helpers.assert_same_batches); an observed
+    exception matches by type and normalized message."""
+    assert_same_batches(a, b, path, exact=(Raised,))
 
 
 def conform(scenario, *, seconds=60, dead_worker=False):
