@@ -7,9 +7,17 @@
  *   packed_scan()  a sorted directory scan straight into a writer
  *
  * Reading an item touches only the mapping (shared pages) and creates the one
- * object returned, so forked workers dirty no copy-on-write pages. Every access
- * bounds-checks its two offsets, so a corrupt or hostile file yields an exception,
- * never a read outside the mapping; that is what lets load() skip an O(n) check. */
+ * object returned, so forked workers dirty no copy-on-write pages.
+ *
+ * The mapping is shared memory that another process may write while we read it
+ * (a loaded file, a named segment). So every offset is read exactly once
+ * (load_offset) into a local, checked against the data size, and only the checked
+ * local is used; code that needs an item twice keeps what it read the first time.
+ * Index arithmetic on views is overflow-checked. A corrupt, hostile or concurrently
+ * changing file thus yields an exception or stale bytes, never an access outside
+ * the mapping or a buffer; that is what lets load() skip an O(n) check. (A file
+ * truncated while mapped is another matter: the kernel raises SIGBUS on the
+ * missing pages, hence the documented rule to replace a loaded file by rename.) */
 #define _GNU_SOURCE
 #include "packed.h"
 #include <dirent.h>
@@ -24,6 +32,14 @@
 #include <unistd.h>
 
 _Static_assert(sizeof(fl_packed_hdr) == FL_PACKED_HDR_SIZE, "packed header is 64 bytes");
+
+/* The one read of an offset in shared memory. A relaxed atomic load: the compiler
+ * may neither repeat it nor tear it, so the value checked is the value used. */
+static inline uint64_t
+load_offset(const int64_t *p)
+{
+    return (uint64_t)__atomic_load_n(p, __ATOMIC_RELAXED);
+}
 
 /* ---- small helpers ------------------------------------------------------------ */
 
@@ -191,6 +207,14 @@ mapping_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         return NULL;
     if (size <= 0)
         return PyErr_Format(PyExc_ValueError, "fastloader: cannot map %zd bytes", size);
+    /* A size beyond the end of the file (a stale or crafted handle) would map pages
+     * that fault with SIGBUS when read: refuse it now. */
+    struct stat st;
+    if (fstat(fd, &st) < 0)
+        return fl_raise(FL_ERRNO, errno, "mapping a packed array");
+    if (S_ISREG(st.st_mode) && (uint64_t)st.st_size < (uint64_t)size)
+        return PyErr_Format(PyExc_ValueError, "fastloader: cannot map %zd bytes of a packed "
+                            "array file of %lld bytes", size, (long long)st.st_size);
     Py_BEGIN_ALLOW_THREADS
     p = mmap(NULL, (size_t)size, PROT_READ, MAP_SHARED | (populate ? MAP_POPULATE : 0), fd, 0);
     if (p == MAP_FAILED)
@@ -336,40 +360,64 @@ check_header(PackedMappingObject *m, fl_packed_hdr *h)
         return -1;
     }
     const int64_t *off = (const int64_t *)(m->addr + h->offsets_off);
-    if (off[0] != 0 || (uint64_t)off[h->count] != h->data_nbytes) {
+    uint64_t first = load_offset(&off[0]), last = load_offset(&off[h->count]);
+    if (first != 0 || last != h->data_nbytes) {
         PyErr_Format(PyExc_ValueError,
                      "%s: corrupt offset table at byte %llu: it runs from %lld to %lld, "
                      "the data holds %llu bytes", pfx, (unsigned long long)h->offsets_off,
-                     (long long)off[0], (long long)off[h->count],
-                     (unsigned long long)h->data_nbytes);
+                     (long long)first, (long long)last, (unsigned long long)h->data_nbytes);
         return -1;
     }
     return 0;
 }
 
+/* a and b: the offsets as they were read (re-reading them could show other values) */
 static PyObject *
-corrupt_item(PackedViewObject *v, Py_ssize_t i)
+corrupt_item(PackedViewObject *v, Py_ssize_t i, uint64_t a, uint64_t b)
 {
     return PyErr_Format(PyExc_ValueError,
                         "fastloader: packed array is corrupt at item %zd: offsets %lld..%lld "
                         "(byte %llu of the segment) outside its %llu data bytes", i,
-                        (long long)v->offsets[i], (long long)v->offsets[i + 1],
+                        (long long)a, (long long)b,
                         (unsigned long long)((const uint8_t *)&v->offsets[i] - v->map->addr),
                         (unsigned long long)v->data_nbytes);
 }
 
-/* Bytes of item i of the segment (not of the view), bounds-checked. */
+/* Offset and length of item i of the segment (not of the view): each offset read
+ * once, then bounds-checked. */
+static inline int
+item_span(PackedViewObject *v, Py_ssize_t i, uint64_t *off, uint64_t *len)
+{
+    uint64_t a = load_offset(&v->offsets[i]), b = load_offset(&v->offsets[i + 1]);
+    if (a > b || b > v->data_nbytes) {
+        corrupt_item(v, i, a, b);
+        return -1;
+    }
+    *off = a;
+    *len = b - a;
+    return 0;
+}
+
+/* Bytes of item i of the segment, bounds-checked (data_nbytes < PY_SSIZE_T_MAX, see
+ * check_header, so the length fits). */
 static inline int
 raw_item(PackedViewObject *v, Py_ssize_t i, const char **p, Py_ssize_t *n)
 {
-    uint64_t a = (uint64_t)v->offsets[i], b = (uint64_t)v->offsets[i + 1];
-    if (a > b || b > v->data_nbytes) {
-        corrupt_item(v, i);
+    uint64_t a, len;
+    if (item_span(v, i, &a, &len) < 0)
         return -1;
-    }
     *p = (const char *)v->data + a;
-    *n = (Py_ssize_t)(b - a);
+    *n = (Py_ssize_t)len;
     return 0;
+}
+
+/* Segment index of item k of view v. view_new checked that the first and last
+ * items of a view lie in the segment without overflow, and slicing only narrows a
+ * view, so for 0 <= k < len this neither overflows nor leaves the segment. */
+static inline Py_ssize_t
+view_pos(PackedViewObject *v, Py_ssize_t k)
+{
+    return v->start + k * v->step;
 }
 
 static PyObject *
@@ -385,19 +433,20 @@ decode_item(PackedViewObject *v, Py_ssize_t i)
         return PyUnicode_DecodeUTF8(p, n, "surrogateescape");
     if (v->loads == NULL)   /* cleared by the garbage collector, mid-cycle */
         return PyErr_Format(PyExc_ValueError, "fastloader: packed array was cleared");
-    /* The memoryview lives only for the call: pickle copies what it keeps. */
-    PyObject *mv = PyMemoryView_FromMemory((char *)p, n, PyBUF_READ);
-    if (mv == NULL)
+    /* A private copy: the unpickler then reads bytes that no other process can
+     * change while it parses them. */
+    PyObject *copy = PyBytes_FromStringAndSize(p, n);
+    if (copy == NULL)
         return NULL;
-    PyObject *obj = PyObject_CallOneArg(v->loads, mv);
-    Py_DECREF(mv);
+    PyObject *obj = PyObject_CallOneArg(v->loads, copy);
+    Py_DECREF(copy);
     return obj;
 }
 
 static inline PyObject *
 view_item_at(PackedViewObject *v, Py_ssize_t k)
 {
-    return decode_item(v, v->start + k * v->step);
+    return decode_item(v, view_pos(v, k));
 }
 
 static PyObject *
@@ -416,6 +465,33 @@ PyDoc_STRVAR(view_doc,
 "Items start, start + step, ... (length of them; -1: all) of the packed segment\n"
 "mapped by `mapping` (a PackedMapping); `storage` is kept for pickling. Base class\n"
 "of fastloader.PackedStringArray and fastloader.PackedArray: use those.");
+
+/* A subclass that names its item kind (_KIND: PackedStringArray's str, PackedArray's
+ * pickles) only ever views segments of that kind, however it is made (load, a
+ * pickle, a handle): a file handed over as strings is never unpickled. */
+static int
+check_type_kind(PyTypeObject *type, uint32_t kind)
+{
+    PyObject *want = PyObject_GetAttrString((PyObject *)type, "_KIND");
+    if (want == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+            return -1;
+        PyErr_Clear();
+        return 0;
+    }
+    long k = PyLong_Check(want) ? PyLong_AsLong(want) : 0;
+    Py_DECREF(want);
+    if (k == -1 && PyErr_Occurred())
+        return -1;
+    if (k != 0 && (uint32_t)k != kind) {
+        PyErr_Format(PyExc_ValueError,
+                     "fastloader: packed array: holds %s, not the %s a %.200s holds",
+                     kind == FL_PACKED_PICKLE ? "pickled records" : "strings",
+                     k == FL_PACKED_PICKLE ? "pickled records" : "strings", type->tp_name);
+        return -1;
+    }
+    return 0;
+}
 
 static PyObject *
 view_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
@@ -444,14 +520,21 @@ view_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         step = 1;
     }
     else {
-        /* first and last item inside the segment; |step| <= count keeps k * step small */
+        /* The first and the last item inside the segment, computed without overflow
+         * (the arguments may come from a crafted handle, the count from a sparse file
+         * of billions of items): every item between them is then inside too. */
+        Py_ssize_t span, last;
         if (step == 0 || length > count || start < 0 || start >= count ||
-            (step > 0 ? step > count : step < -count) ||
-            start + (length - 1) * step < 0 || start + (length - 1) * step >= count)
+            __builtin_mul_overflow(length - 1, step, &span) ||
+            __builtin_add_overflow(start, span, &last) || last < 0 || last >= count)
             return PyErr_Format(PyExc_ValueError,
                                 "fastloader: packed view start=%zd step=%zd length=%zd does "
                                 "not fit %zd items", start, step, length, count);
+        if (length == 1)
+            step = 1;
     }
+    if (check_type_kind(type, h.kind) < 0)
+        return NULL;
     if (h.kind == FL_PACKED_PICKLE && (loads = import_attr("pickle", "loads")) == NULL)
         return NULL;
     PackedViewObject *v = (PackedViewObject *)type->tp_alloc(type, 0);
@@ -579,9 +662,13 @@ view_subscript(PyObject *self, PyObject *key)
             return NULL;
         n = PySlice_AdjustIndices(v->len, &a, &b, st);
         if (n <= 1)
-            return view_sub(v, n ? v->start + a * v->step : 0, 1, n);
-        /* n >= 2 bounds |st| by len and |step| by count, so this cannot overflow */
-        return view_sub(v, v->start + a * v->step, v->step * st, n);
+            return view_sub(v, n ? view_pos(v, a) : 0, 1, n);
+        /* |step * st| * (n - 1) <= |step| * (len - 1) < count: no overflow, but the
+         * check is cheap and keeps this true if the invariant is ever broken */
+        Py_ssize_t sub_step;
+        if (__builtin_mul_overflow(v->step, st, &sub_step))
+            return PyErr_Format(PyExc_OverflowError, "fastloader: packed view step overflows");
+        return view_sub(v, view_pos(v, a), sub_step, n);
     }
     return PyErr_Format(PyExc_TypeError, "%s indices must be integers or slices, not %.200s",
                         Py_TYPE(v)->tp_name, Py_TYPE(key)->tp_name);
@@ -608,7 +695,7 @@ view_contains(PyObject *self, PyObject *obj)
         for (Py_ssize_t k = 0; k < v->len && !found; k++) {
             const char *p;
             Py_ssize_t n;
-            if (raw_item(v, v->start + k * v->step, &p, &n) < 0) {
+            if (raw_item(v, view_pos(v, k), &p, &n) < 0) {
                 found = -1;
                 break;
             }
@@ -694,17 +781,21 @@ view_get_nbytes(PyObject *self, void *Py_UNUSED(closure))
     PackedViewObject *v = VIEW(self);
     uint64_t total = 0;
     if (v->len > 0 && v->step == 1) {
-        uint64_t a = (uint64_t)v->offsets[v->start];
-        uint64_t b = (uint64_t)v->offsets[v->start + v->len];
-        total = b >= a ? b - a : 0;
+        uint64_t a = load_offset(&v->offsets[v->start]);
+        uint64_t b = load_offset(&v->offsets[v->start + v->len]);
+        if (a > b || b > v->data_nbytes)
+            return corrupt_item(v, v->start, a, b);
+        total = b - a;
     }
     else {
+        /* each item's length is at most data_nbytes < 2**63: the sum of len of them
+         * could still wrap in theory, so it is checked */
         for (Py_ssize_t k = 0; k < v->len; k++) {
-            const char *p;
-            Py_ssize_t n;
-            if (raw_item(v, v->start + k * v->step, &p, &n) < 0)
+            uint64_t off, n;
+            if (item_span(v, view_pos(v, k), &off, &n) < 0)
                 return NULL;
-            total += (uint64_t)n;
+            if (__builtin_add_overflow(total, n, &total))
+                return PyErr_NoMemory();
         }
     }
     return PyLong_FromUnsignedLongLong(total + 8 * (uint64_t)v->len);
@@ -718,44 +809,67 @@ static PyObject *
 view_serialize(PyObject *self, PyObject *Py_UNUSED(ignored))
 {
     PackedViewObject *v = VIEW(self);
+    PyObject *out = NULL;
+    uint64_t *src = NULL;     /* where each item's bytes start, as read in pass 1 */
+    int64_t *dst_off = NULL;  /* the new offset table: len + 1 entries */
+    size_t n = (size_t)v->len;
+    /* Pass 1 reads every offset once and keeps what it read; pass 2 copies with
+     * those values only. Another process may rewrite the offsets meanwhile: it
+     * then changes what pass 1 sees, never how much pass 2 writes. */
+    if (n + 1 > SIZE_MAX / sizeof(uint64_t))
+        return PyErr_NoMemory();
+    src = PyMem_RawMalloc((n ? n : 1) * sizeof(uint64_t));
+    dst_off = PyMem_RawMalloc((n + 1) * sizeof(int64_t));
+    if (src == NULL || dst_off == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
     uint64_t data_nbytes = 0;
-    for (Py_ssize_t k = 0; k < v->len; k++) {
-        const char *p;
-        Py_ssize_t n;
-        if (raw_item(v, v->start + k * v->step, &p, &n) < 0)
-            return NULL;
-        data_nbytes += (uint64_t)n;
+    dst_off[0] = 0;
+    for (size_t k = 0; k < n; k++) {
+        uint64_t off, len;
+        if (item_span(v, view_pos(v, (Py_ssize_t)k), &off, &len) < 0)
+            goto done;
+        if (__builtin_add_overflow(data_nbytes, len, &data_nbytes) ||
+            data_nbytes > (uint64_t)PY_SSIZE_T_MAX) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        src[k] = off;
+        dst_off[k + 1] = (int64_t)data_nbytes;
     }
     fl_packed_hdr h;
+    uint64_t offsets_off, table, total;
+    if (__builtin_add_overflow((uint64_t)FL_PACKED_HDR_SIZE + 7, data_nbytes, &offsets_off) ||
+        __builtin_mul_overflow((uint64_t)n + 1, (uint64_t)8, &table) ||
+        __builtin_add_overflow(offsets_off & ~(uint64_t)7, table, &total) ||
+        total > (uint64_t)PY_SSIZE_T_MAX) {
+        PyErr_NoMemory();
+        goto done;
+    }
     memset(&h, 0, sizeof(h));
     memcpy(h.magic, FL_PACKED_MAGIC, 8);
     h.version = FL_PACKED_VERSION;
     h.kind = (uint32_t)v->kind;
-    h.count = (uint64_t)v->len;
+    h.count = (uint64_t)n;
     h.data_off = FL_PACKED_HDR_SIZE;
     h.data_nbytes = data_nbytes;
-    h.offsets_off = FL_ALIGN_UP(FL_PACKED_HDR_SIZE + data_nbytes, 8);
-    h.total = h.offsets_off + 8 * (h.count + 1);
+    h.offsets_off = offsets_off & ~(uint64_t)7;
+    h.total = total;
     h.byte_order = FL_PACKED_BYTE_ORDER;
-    if (h.total > (uint64_t)PY_SSIZE_T_MAX)
-        return PyErr_NoMemory();
-    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)h.total);
+    out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)h.total);
     if (out == NULL)
-        return NULL;
+        goto done;
     uint8_t *base = (uint8_t *)PyBytes_AS_STRING(out);
     memset(base, 0, (size_t)h.offsets_off);
     memcpy(base, &h, sizeof(h));
     uint8_t *dst = base + FL_PACKED_HDR_SIZE;
-    int64_t pos = 0;
-    for (Py_ssize_t k = 0; k < v->len; k++) {
-        const char *p = NULL;
-        Py_ssize_t n = 0;
-        (void)raw_item(v, v->start + k * v->step, &p, &n);   /* checked above */
-        memcpy(&base[h.offsets_off + 8 * (uint64_t)k], &pos, 8);
-        memcpy(dst + pos, p, (size_t)n);
-        pos += n;
-    }
-    memcpy(&base[h.offsets_off + 8 * h.count], &pos, 8);
+    for (size_t k = 0; k < n; k++)
+        memcpy(dst + dst_off[k], v->data + src[k], (size_t)(dst_off[k + 1] - dst_off[k]));
+    memcpy(base + h.offsets_off, dst_off, (size_t)table);
+done:
+    PyMem_RawFree(src);
+    PyMem_RawFree(dst_off);
     return out;
 }
 
@@ -777,8 +891,7 @@ view_equal_items(PyObject *self, PyObject *other)
     for (Py_ssize_t k = 0; k < a->len; k++) {
         const char *p, *q;
         Py_ssize_t n, m;
-        if (raw_item(a, a->start + k * a->step, &p, &n) < 0 ||
-            raw_item(b, b->start + k * b->step, &q, &m) < 0)
+        if (raw_item(a, view_pos(a, k), &p, &n) < 0 || raw_item(b, view_pos(b, k), &q, &m) < 0)
             return NULL;
         if (n != m || memcmp(p, q, (size_t)n) != 0) {
             if (a->kind == FL_PACKED_STR)
@@ -799,9 +912,12 @@ view_validate(PyObject *self, PyObject *Py_UNUSED(ignored))
 {
     PackedViewObject *v = VIEW(self);
     Py_ssize_t bad = -1;
+    uint64_t a = 0, b = 0;
     Py_BEGIN_ALLOW_THREADS
+    b = load_offset(&v->offsets[0]);
     for (Py_ssize_t i = 0; i < v->count; i++) {
-        uint64_t a = (uint64_t)v->offsets[i], b = (uint64_t)v->offsets[i + 1];
+        a = b;
+        b = load_offset(&v->offsets[i + 1]);
         if (a > b || b > v->data_nbytes) {
             bad = i;
             break;
@@ -809,7 +925,7 @@ view_validate(PyObject *self, PyObject *Py_UNUSED(ignored))
     }
     Py_END_ALLOW_THREADS
     if (bad >= 0)
-        return corrupt_item(v, bad);
+        return corrupt_item(v, bad, a, b);
     Py_RETURN_NONE;
 }
 

@@ -486,10 +486,10 @@ def test_save_and_load(tmp_path):
     assert packed_mod.load(tmp_path / "view.fpk").tolist() == SAMPLE_STRINGS[::-3]
     r = PackedArray([{"i": i} for i in range(100)])
     r.save(tmp_path / "rec.fpk")
-    loaded = packed_mod.load(tmp_path / "rec.fpk")
+    loaded = PackedArray.load(tmp_path / "rec.fpk")
     assert type(loaded) is PackedArray and loaded == r
-    with pytest.raises(PackedFormatError, match="holds a PackedArray, not a PackedStringArray"):
-        PackedStringArray.load(tmp_path / "rec.fpk")
+    with pytest.raises(PackedFormatError, match="holds strings, not pickled records"):
+        PackedArray.load(path)
     # saving over a loaded file replaces it: the loaded array keeps its items
     PackedStringArray(["new"]).save(path)
     assert b == a and PackedStringArray.load(path).tolist() == ["new"]

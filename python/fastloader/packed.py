@@ -27,8 +27,18 @@ Sharing:
   freed or at exit, and multiprocessing's resource tracker unlinks it if that
   process dies first (even by SIGKILL). An array's strategy is chosen when it is
   built (``share()`` converts); it need not match the loader's ``sharing_strategy``.
-* ``save(path)`` writes one file; ``load(path)`` memory-maps it, in O(1): every
-  read is bounds-checked, so a corrupt file gives an exception, never a crash.
+* ``save(path)`` writes one file atomically (a temporary file, fsync, rename);
+  ``PackedStringArray.load(path)`` memory-maps it, in O(1). Every offset is read
+  once and bounds-checked before use, so a corrupt, hostile or concurrently
+  changing file gives an exception (or stale items), never a read or write out of
+  bounds. The one thing a reader cannot survive is a file cut short under its
+  mapping, so: do not truncate or rewrite a loaded file in place (a process
+  reading it would die of SIGBUS); replace it by renaming a new file over it, as
+  save() does.
+* Nothing from a file is unpickled unless you ask for pickled records by name:
+  ``PackedArray.load(path)`` (trusted files only: reading a record unpickles it,
+  which can run any code). ``PackedStringArray.load`` and ``fastloader.packed.load``
+  refuse such files.
 """
 from __future__ import annotations
 
@@ -368,11 +378,16 @@ class _PackedBase(_core.PackedView):
 
     @classmethod
     def load(cls, path, *, sharing_strategy: str = _DEFAULT_STRATEGY, populate: bool = False):
-        """Memory-map a file written by save(). O(1): the header is checked now,
-        every item when it is read. The file must not be changed while it is
-        loaded (save() replaces a file rather than rewriting it, so re-saving to the
-        same path is safe). populate=True maps every page now: slower to load, but
-        workers then count the pages as shared rather than as their private memory."""
+        """Memory-map a file of strings written by save(). O(1): the header is
+        checked now, every item when it is read. A file of pickled records is
+        refused (only PackedArray.load reads those).
+
+        Do not truncate or rewrite a loaded file in place (a process
+        reading it would die of SIGBUS); replace it by renaming a
+        new file over it, as save() does.
+
+        populate=True maps every page now: slower to load, but workers then count
+        the pages as shared rather than as their private memory."""
         return _load(cls, path, sharing_strategy, populate)
 
     # -- sharing --
@@ -419,7 +434,9 @@ class _PackedBase(_core.PackedView):
     # -- files --
     def save(self, path) -> None:
         """Write this array (a view: just its items) to one file, atomically: a
-        temporary file in the same directory, then renamed over `path`."""
+        temporary file in the same directory, flushed to disk (fsync), then renamed
+        over `path`. A file already at `path` is replaced, never rewritten, so a
+        process that has it loaded keeps reading the old items."""
         path = os.fspath(path)
         directory = os.path.dirname(os.path.abspath(path))
         tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex[:8]}.tmp")
@@ -430,9 +447,11 @@ class _PackedBase(_core.PackedView):
                 written = 0
                 while written < len(data):
                     written += os.write(fd, data[written:written + (1 << 30)])
+                os.fsync(fd)   # the data on disk before the name points at it
             finally:
                 os.close(fd)
             os.replace(tmp, path)
+            _fsync_directory(directory)   # and the rename too
         except BaseException:
             try:
                 os.unlink(tmp)
@@ -536,10 +555,25 @@ class PackedArray(_PackedBase):
     dicts), each pickled into one shared segment. ``a[i]`` unpickles a fresh object
     every time: changing it changes nothing stored. Same API as PackedStringArray
     (``PackedArray(items)``, views, ``load``/``save``, sharing); ``==`` compares the
-    records. Loading a file unpickles its records: load only files you trust."""
+    records. ``PackedArray.load`` is the only way to read pickled records from a
+    file: load only files you trust."""
 
     __slots__ = ()
     _KIND = _core.PACKED_PICKLE
+
+    @classmethod
+    def load(cls, path, *, sharing_strategy: str = _DEFAULT_STRATEGY, populate: bool = False):
+        """Memory-map a file of pickled records written by save(). Unsafe for files
+        you do not trust: every record read is unpickled, and unpickling can run any
+        code the file's author chose. (PackedStringArray.load never unpickles.)
+
+        Do not truncate or rewrite a loaded file in place (a process
+        reading it would die of SIGBUS); replace it by renaming a
+        new file over it, as save() does.
+
+        O(1): the header is checked now, every item when it is read. populate=True
+        maps every page now (see PackedStringArray.load)."""
+        return _load(cls, path, sharing_strategy, populate)
 
     @classmethod
     def from_iterable(cls, items: Iterable[Any], *,
@@ -570,6 +604,33 @@ def _suffix_tuple(suffixes):
     return tuple(os.fsencode(s).lower() for s in suffixes)
 
 
+def _fsync_directory(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _refuse_kind(path, cls, kind) -> None:
+    """Raise unless a file whose header says `kind` may be read as `cls` (None:
+    the generic load(), which reads strings only)."""
+    if cls is PackedArray:
+        if kind == _core.PACKED_STR:
+            raise PackedFormatError(f"{path}: holds strings, not pickled records "
+                                    "(use PackedStringArray.load)")
+        return
+    if kind == _core.PACKED_PICKLE:
+        if cls is None:
+            raise PackedFormatError(
+                f"{path}: holds pickled records (a PackedArray file); "
+                "fastloader.packed.load reads only strings, because reading a pickled "
+                "record runs code chosen by the file's author. If you trust this file, "
+                "load it with fastloader.PackedArray.load(path).")
+        raise PackedFormatError(f"{path}: holds pickled records, not strings: refused "
+                                "(PackedStringArray.load never unpickles)")
+
+
 def _load(cls, path, sharing_strategy, populate):
     _check_strategy(sharing_strategy)
     path = os.fspath(path)
@@ -593,17 +654,14 @@ def _load(cls, path, sharing_strategy, populate):
     except BaseException:
         os.close(fd)
         raise
-    kind = _header_kind(seg.mapping)
-    target = _CLASSES.get(kind) if cls in (None, _PackedBase) else cls
+    target = None if cls in (None, _PackedBase) else cls
+    _refuse_kind(path, target, _header_kind(seg.mapping))
     try:
-        view = _core.PackedView.__new__(target or PackedStringArray, seg, seg.mapping)
+        # the type's kind is checked again in C against the header it validates
+        # (the file may change between the two reads)
+        return _core.PackedView.__new__(target or PackedStringArray, seg, seg.mapping)
     except ValueError as exc:
         raise PackedFormatError(f"{path}: {exc}") from None
-    if target is not None and view._kind != target._KIND:
-        want, have = target.__name__, _CLASSES[view._kind].__name__
-        raise PackedFormatError(f"{path}: holds a {have}, not a {want} (use {have}.load "
-                                "or fastloader.packed.load)")
-    return view
 
 
 def _header_kind(mapping) -> int:
@@ -612,5 +670,12 @@ def _header_kind(mapping) -> int:
 
 
 def load(path, *, sharing_strategy: str = _DEFAULT_STRATEGY, populate: bool = False):
-    """Load a file written by ``save()`` as whichever array type it holds."""
+    """Load a file of strings written by ``save()``: the same as
+    ``PackedStringArray.load(path)``. A file of pickled records is refused with
+    PackedFormatError (reading one runs code chosen by its author): if you trust
+    the file, use ``PackedArray.load(path)``.
+
+    Do not truncate or rewrite a loaded file in place (a process reading it would
+    die of SIGBUS); replace it by renaming a new file over it, as save() does.
+    """
     return _load(None, path, sharing_strategy, populate)

@@ -1,0 +1,306 @@
+"""Packed arrays against hostile input (issue 12, items 4-7).
+
+- Another process rewrites the offsets of a loaded file or a named segment while
+  this one serialises views of it (save, share, pickle): never a crash, never a
+  write past a buffer (run under `make test-asan` too: the child inherits ASan).
+- A sparse file that claims billions of items, and handles crafted so that the
+  view bounds overflow 64-bit arithmetic: a clear ValueError, no read outside.
+- Nothing from a file is unpickled unless PackedArray.load is asked by name.
+- save() replaces a file (temporary file, fsync, rename), never rewrites it.
+
+The readers that might crash run in child interpreters, so a crash fails the test
+instead of killing the test run.
+"""
+import json
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from fastloader import _core
+from fastloader import packed as packed_mod
+from fastloader.packed import PackedArray, PackedFormatError, PackedStringArray
+
+HDR = _core.PACKED_HEADER_SIZE
+
+
+def run_child(code, env, *args, timeout=300):
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *map(str, args)],
+                          env=env, timeout=timeout, capture_output=True)
+    out, err = done.stdout.decode(), done.stderr.decode()
+    assert done.returncode == 0, f"child died (rc {done.returncode}):\n{err[-3000:]}"
+    assert "AddressSanitizer" not in err and "runtime error" not in err, err[-3000:]
+    return out
+
+
+# ---- item 4: concurrent writer ----------------------------------------------------------------
+
+# Flips the offset table of a packed file or segment between its real values and a
+# hostile but individually valid state (even items: the first 4 KiB of the data; odd
+# items: inverted, so invalid). Before the fix, _serialize sized its buffer with one
+# state and copied with the other: 4 KiB per item into a buffer sized for ~50 bytes.
+WRITER = r"""
+import mmap, os, sys, time
+path, stop = sys.argv[1], sys.argv[2]
+fd = os.open(path, os.O_RDWR)
+m = mmap.mmap(fd, os.fstat(fd).st_size)
+count = int.from_bytes(m[16:24], "little")
+data_nbytes = int.from_bytes(m[32:40], "little")
+table = int.from_bytes(m[40:48], "little")
+good = m[table:table + 8 * (count + 1)]
+big = min(data_nbytes, 4096)
+hostile = b"".join((0 if i % 2 == 0 else big).to_bytes(8, "little") for i in range(count + 1))
+print("ready", flush=True)
+flips = 0
+deadline = time.monotonic() + 240
+while time.monotonic() < deadline:
+    m[table:table + len(good)] = hostile
+    m[table:table + len(good)] = good
+    flips += 1
+    if flips % 32 == 0 and os.path.exists(stop):
+        break
+print(flips, flush=True)
+"""
+
+READER = r"""
+import json, os, pickle, subprocess, sys
+from fastloader.packed import PackedStringArray
+where, how, workdir, writer_code, rounds = sys.argv[1:6]
+rounds = int(rounds)
+items = [f"item-{i:06d}-" + "x" * 40 for i in range(20000)]
+if how == "file":
+    PackedStringArray(items).save(where)
+    a = PackedStringArray.load(where)
+    target = where
+else:   # a named segment of this process
+    a = PackedStringArray(items, sharing_strategy="file_system")
+    target = os.path.join("/dev/shm", a._storage.name)
+stop = os.path.join(workdir, "stop")
+writer = subprocess.Popen([sys.executable, "-c", writer_code, target, stop],
+                          stdout=subprocess.PIPE, text=True)
+assert writer.stdout.readline().strip() == "ready"
+view = a[::2]
+out_path = os.path.join(workdir, "out.fpk")
+other = "file_descriptor" if a.sharing_strategy == "file_system" else "file_system"
+
+def check(b):
+    assert len(b) == len(view), (len(b), len(view))
+    b.validate()   # what a serialiser produced is consistent, whatever it read
+
+def op_pickle():
+    check(pickle.loads(pickle.dumps(view)))
+
+def op_save():
+    view.save(out_path)
+    check(PackedStringArray.load(out_path))
+
+def op_share():
+    check(view.share(other))
+
+def op_read():
+    view.nbytes
+    view == view
+    "absent" in view
+    len(view.tolist())
+    a.validate()
+
+outcomes = {"ok": 0, "error": 0}
+for _ in range(rounds):
+    for op in (op_pickle, op_save, op_share, op_read):
+        try:
+            op()
+        except ValueError:   # corrupt offsets seen: an exception is the promised outcome
+            outcomes["error"] += 1
+        else:
+            outcomes["ok"] += 1
+open(stop, "w").close()
+flips = int(writer.stdout.readline())
+assert writer.wait(60) == 0
+print(json.dumps({"outcomes": outcomes, "flips": flips}))
+"""
+
+
+@pytest.mark.parametrize("how", ["file", "file_system segment"])
+def test_serialisation_survives_a_concurrent_writer(tmp_path, subprocess_env, how):
+    rounds = 60
+    where = tmp_path / "names.fpk" if how == "file" else "-"
+    out = run_child(READER, subprocess_env, where, how.split()[0], tmp_path, WRITER, rounds)
+    result = json.loads(out.strip().splitlines()[-1])
+    assert sum(result["outcomes"].values()) == 4 * rounds
+    assert result["flips"] > 0, "the writer never ran: the test proved nothing"
+
+
+# ---- item 5: bounds arithmetic of huge views ----------------------------------------------------
+
+def sparse_packed_file(path, count):
+    """A valid packed file of `count` empty strings: a header, then an all-zero offset
+    table that the file system stores as a hole (a 40 GB file costs no disk)."""
+    total = HDR + 8 * (count + 1)
+    header = (b"\x89FLPACK\n" + (1).to_bytes(4, "little") + _core.PACKED_STR.to_bytes(4, "little")
+              + count.to_bytes(8, "little") + HDR.to_bytes(8, "little") + (0).to_bytes(8, "little")
+              + HDR.to_bytes(8, "little") + total.to_bytes(8, "little")
+              + (0x01020304).to_bytes(4, "little") + bytes(4))
+    assert len(header) == HDR
+    with open(path, "wb") as f:
+        f.write(header)
+        f.truncate(total)
+    return total
+
+
+def test_huge_sparse_file_and_crafted_view_bounds(tmp_path, subprocess_env):
+    count = 5_000_000_000   # > 3e9: (length - 1) * step can exceed 2**63
+    path = tmp_path / "huge.fpk"
+    try:
+        size = sparse_packed_file(path, count)
+    except OSError as exc:   # pragma: no cover - a file system without sparse files
+        pytest.skip(f"cannot make a {8 * count >> 30} GiB sparse file here: {exc}")
+    step = count - 1
+    length = -(-2**64 // step) + 1
+    wrapped = (length - 1) * step - 2**64
+    assert 0 <= wrapped < count and length <= count   # the pre-fix check accepted this
+    out = run_child(r"""
+        import os, sys
+        from fastloader.packed import PackedStringArray, attach_node_handle
+        path, count, step, length = sys.argv[1], *map(int, sys.argv[2:5])
+        a = PackedStringArray.load(path)
+        assert len(a) == count and a[-1] == "" and a[count // 2] == ""
+        assert len(a[::count - 1]) == 2 and a[1::3_000_000_000].tolist() == [""] * 2
+        st = os.stat(path)
+        ident = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+        # a handle as another process would send it, with an overflowing view
+        for start, stp, n in [(0, step, length), (count - 1, -step, length),
+                              (1, 2**62, 3), (0, -(2**63) + 1, 2)]:
+            handle = ("PackedStringArray", ("path", path, st.st_size, ident), start, stp, n)
+            try:
+                v = attach_node_handle(handle)
+            except ValueError as exc:
+                print("refused:", exc)
+            else:
+                print("accepted", len(v), v[2] if len(v) > 2 else v[-1])   # reads outside
+        """, subprocess_env, path, count, step, length)
+    lines = out.strip().splitlines()
+    assert len(lines) == 4 and all(l.startswith("refused:") for l in lines), out
+    assert f"does not fit {count} items" in lines[0]
+    assert os.stat(path).st_blocks * 512 < 1 << 20 < size   # really sparse
+
+
+def test_mapping_past_the_end_of_its_file_is_refused(tmp_path, subprocess_env):
+    """A stale or crafted handle that names more bytes than the file has would map
+    pages that fault with SIGBUS: the mapping is refused instead."""
+    path = tmp_path / "small.fpk"
+    PackedStringArray(["a", "b"]).save(path)
+    out = run_child(r"""
+        import os, sys
+        from fastloader import _core
+        fd = os.open(sys.argv[1], os.O_RDONLY)
+        size = os.fstat(fd).st_size
+        try:
+            m = _core.PackedMapping(fd, size + 8192)
+        except ValueError as exc:
+            print("refused:", exc)
+        else:
+            print("mapped", bytes(memoryview(m)[-1:]))   # SIGBUS before the fix
+        """, subprocess_env, path)
+    assert out.startswith("refused:") and "cannot map" in out, out
+
+
+# ---- item 6: nothing is unpickled unless asked for by name ----------------------------------------
+
+UNPICKLED = []
+
+
+def mark_unpickled(tag):
+    UNPICKLED.append(tag)
+    return tag
+
+
+class Tripwire:
+    """A record whose unpickling leaves a trace (a hostile file would run code)."""
+
+    def __reduce__(self):
+        return mark_unpickled, ("ran",)
+
+
+def test_only_packed_array_load_unpickles(tmp_path):
+    UNPICKLED.clear()
+    rec = tmp_path / "records.fpk"
+    PackedArray([Tripwire(), Tripwire()]).save(rec)
+    with pytest.raises(PackedFormatError, match=r"pickled records.*PackedArray\.load\(path\)"):
+        packed_mod.load(rec)
+    with pytest.raises(PackedFormatError, match="pickled records, not strings") as info:
+        PackedStringArray.load(rec)
+    # its message recommends no loader that unpickles
+    assert "PackedArray.load" not in str(info.value) and "packed.load" not in str(info.value)
+    # other ways in: a pickled PackedStringArray carrying a record file's bytes, a handle
+    with pytest.raises(PackedFormatError, match="pickled records"):
+        packed_mod._from_bytes(PackedStringArray, rec.read_bytes(), "file_descriptor")
+    st = os.stat(rec)
+    handle = ("PackedStringArray",
+              ("path", str(rec), st.st_size, (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)),
+              0, 1, 2)
+    with pytest.raises(ValueError, match="holds pickled records"):
+        packed_mod.attach_node_handle(handle)
+    assert UNPICKLED == []
+    # asked for by name: the records are read (and unpickled) as the caller chose
+    assert PackedArray.load(rec).tolist() == ["ran", "ran"] and UNPICKLED == ["ran", "ran"]
+    names = tmp_path / "names.fpk"
+    PackedStringArray(["a", "b"]).save(names)
+    assert packed_mod.load(names).tolist() == ["a", "b"]
+    assert type(packed_mod.load(names)) is PackedStringArray
+    for doc in (PackedArray.load.__doc__, packed_mod.load.__doc__):
+        assert "trust" in doc
+
+
+# ---- item 7: save() replaces, never rewrites ----------------------------------------------------
+
+def test_save_replaces_a_loaded_file_atomically(tmp_path, monkeypatch):
+    path = tmp_path / "names.fpk"
+    old = [f"old-{i}" for i in range(1000)]
+    PackedStringArray(old).save(path)
+    loaded = PackedStringArray.load(path)
+    inode = os.stat(path).st_ino
+    synced = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    PackedStringArray(["new"]).save(path)
+    monkeypatch.undo()
+    # the loaded file is untouched: same inode, its old items, now unlinked
+    st = os.fstat(loaded._storage.fd)
+    assert st.st_ino == inode and st.st_nlink == 0
+    assert loaded.tolist() == old
+    assert os.stat(path).st_ino != inode and PackedStringArray.load(path).tolist() == ["new"]
+    # the data was flushed before the rename, and the rename itself
+    assert len(synced) == 2 and synced[1] == str(tmp_path), synced
+    assert synced[0].startswith(str(tmp_path / ".names.fpk.")), synced
+    # saving a loaded array over its own file, and a view of it
+    again = PackedStringArray.load(path)
+    again.save(path)
+    loaded[::7].save(path)
+    assert again.tolist() == ["new"] and PackedStringArray.load(path).tolist() == old[::7]
+    assert sorted(os.listdir(tmp_path)) == ["names.fpk"]   # no temporary file left
+
+
+def test_failed_save_keeps_the_old_file(tmp_path, monkeypatch):
+    path = tmp_path / "names.fpk"
+    PackedStringArray(["keep"]).save(path)
+    real_write = os.write
+
+    def full_disk(fd, data):
+        real_write(fd, bytes(data)[:10])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full_disk)
+    with pytest.raises(OSError) as info:
+        PackedStringArray(["x" * 100]).save(path)
+    monkeypatch.undo()
+    assert info.value.errno == 28
+    assert PackedStringArray.load(path).tolist() == ["keep"]
+    assert sorted(os.listdir(tmp_path)) == ["names.fpk"]
