@@ -635,7 +635,7 @@ def test_packed_image_folder(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no valid file for the classes empty"):
         PackedImageFolder(tmp_path)
-    assert len(PackedImageFolder(tmp_path, allow_empty=True, extensions=None)) == 8
+    assert len(PackedImageFolder(tmp_path, allow_empty=True, is_valid_file=lambda p: True)) == 8
     with pytest.raises(FileNotFoundError, match="Couldn't find any class folder"):
         PackedImageFolder(tmp_path / "empty")
 

@@ -44,7 +44,7 @@ def run_child(code, env, *args, timeout=300):
 # state and copied with the other: 4 KiB per item into a buffer sized for ~50 bytes.
 WRITER = r"""
 import mmap, os, sys, time
-path, stop = sys.argv[1], sys.argv[2]
+path, stop, parent = sys.argv[1], sys.argv[2], os.getppid()
 fd = os.open(path, os.O_RDWR)
 m = mmap.mmap(fd, os.fstat(fd).st_size)
 count = int.from_bytes(m[16:24], "little")
@@ -60,8 +60,8 @@ while time.monotonic() < deadline:
     m[table:table + len(good)] = hostile
     m[table:table + len(good)] = good
     flips += 1
-    if flips % 32 == 0 and os.path.exists(stop):
-        break
+    if flips % 32 == 0 and (os.path.exists(stop) or os.getppid() != parent):
+        break   # done, or the reader died
 print(flips, flush=True)
 """
 
@@ -80,7 +80,7 @@ else:   # a named segment of this process
     target = os.path.join("/dev/shm", a._storage.name)
 stop = os.path.join(workdir, "stop")
 writer = subprocess.Popen([sys.executable, "-c", writer_code, target, stop],
-                          stdout=subprocess.PIPE, text=True)
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 assert writer.stdout.readline().strip() == "ready"
 view = a[::2]
 out_path = os.path.join(workdir, "out.fpk")

@@ -1,26 +1,52 @@
-"""PackedImageFolder: an ImageFolder-style dataset (file paths + integer labels from
-a ``root/<class>/**/<file>`` tree) whose index no worker copies.
+"""PackedImageFolder: torchvision's ImageFolder (file paths + integer labels from a
+``root/<class>/**/<file>`` tree) with an index that no worker copies.
 
 torchvision's ImageFolder keeps ``samples`` as a list of (path, label) tuples: three
 Python objects per image, copied by every worker (see fastloader.packed). Here the
 paths are one PackedStringArray (relative to ``root``) and the labels are implicit:
 the files of each class are contiguous, so a label is a binary search over the
 class boundaries (one int per class).
+
+The files, their order, the classes and the errors are those of torchvision 0.29's
+ImageFolder (DatasetFolder.make_dataset), so the same seed gives the same batches:
+
+* classes: the sorted names of the entries of ``root`` that are directories
+  (``os.scandir``, links followed); none is a FileNotFoundError;
+* per class, in sorted class order: ``os.walk(root/class, followlinks=True)``, its
+  directories visited in the sorted order of their full paths (so a folder's own
+  files come before any sub-folder's, and "a.b" sorts before "a/x"), the file
+  names of each directory sorted; a file is kept when
+  ``is_valid_file(full_path)``, by default ``full_path.lower().endswith(extensions)``;
+* ``extensions`` and ``is_valid_file`` are mutually exclusive, one is required; a
+  class without a valid file is a FileNotFoundError unless ``allow_empty``.
+
+Walking the tree runs in Python, as torchvision's does: building the index costs
+what building an ImageFolder costs; reading it afterwards costs no copies.
 """
 from __future__ import annotations
 
 import bisect
 import os
+from collections.abc import Sequence as _SequenceABC
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from torch.utils.data import Dataset
 
-from . import _core
-from .packed import PackedStringArray, _build, _suffix_tuple
+from .packed import PackedStringArray, _build
 
-__all__ = ["PackedImageFolder", "IMG_EXTENSIONS", "find_classes", "pil_loader"]
+__all__ = ["PackedImageFolder", "IMG_EXTENSIONS", "find_classes", "pil_loader",
+           "has_file_allowed_extension"]
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+_DEFAULT = object()   # extensions not given: IMG_EXTENSIONS unless is_valid_file is
+
+
+def has_file_allowed_extension(filename: str, extensions: Union[str, Sequence[str]]) -> bool:
+    """True when `filename`, lowercased (str.lower), ends with one of `extensions`
+    (compared as given: pass them in lowercase), as torchvision matches them."""
+    return filename.lower().endswith(extensions if isinstance(extensions, str)
+                                     else tuple(extensions))
 
 
 def find_classes(directory) -> Tuple[List[str], Dict[str, int]]:
@@ -43,55 +69,127 @@ def pil_loader(path: str):
         return img.convert("RGB")
 
 
+def _class_files(class_dir: str, is_valid: Callable[[str], bool], follow: bool):
+    """(path relative to class_dir's parent, full path) of the valid files under
+    class_dir, in torchvision's order (see the module docstring)."""
+    # Each walk entry's directory path is unique, so ordering the entries by it is
+    # ordering them as whole (dirpath, dirnames, filenames) tuples.
+    walk = sorted(os.walk(class_dir, followlinks=follow), key=lambda entry: entry[0])
+    for dirpath, _, fnames in walk:
+        for fname in sorted(fnames):
+            path = os.path.join(dirpath, fname)
+            if is_valid(path):
+                yield path
+
+
+class _Samples(_SequenceABC):
+    """``ds.samples`` / ``ds.imgs``: (full path, class index) pairs as torchvision's
+    list holds them, made one at a time (nothing per sample is stored)."""
+
+    __slots__ = ("_ds",)
+
+    def __init__(self, ds):
+        self._ds = ds
+
+    def __len__(self):
+        return len(self._ds)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        return self._ds.path(index), self._ds.target(index)
+
+    def __eq__(self, other):
+        if isinstance(other, (list, tuple, _Samples)):
+            return len(self) == len(other) and all(a == tuple(b) for a, b in zip(self, other))
+        return NotImplemented
+
+    __hash__ = None
+
+    def __repr__(self):
+        return f"<{len(self)} samples of {self._ds!r}>"
+
+
 class PackedImageFolder(Dataset):
-    """``root/<class>/**/<file>`` as ``(loader(path), class_index)`` samples.
+    """``root/<class>/**/<file>`` as ``(loader(path), class_index)`` samples, exactly
+    as torchvision's ``ImageFolder`` finds and orders them (see the module docstring).
 
-    Args (as torchvision's ImageFolder/DatasetFolder): ``root``; ``transform`` and
-    ``target_transform`` applied to the sample and the label; ``loader(path)`` reads
-    a file (default: Pillow, RGB); ``extensions``: file name endings, matched
-    ignoring ASCII case (None: every file); ``allow_empty``: accept class folders
-    with no matching file. Plus ``follow_symlinks`` (enter linked directories,
-    default True as torchvision) and ``sharing_strategy`` of the path array.
+    Args, in ImageFolder's order: ``root``; ``transform`` and ``target_transform``
+    applied to the sample and the label; ``loader(path)`` reads a file (default:
+    Pillow, RGB); ``is_valid_file(path)`` keeps a file (then ``extensions`` must not
+    be given); ``allow_empty``: accept classes without a valid file. Keyword-only:
+    ``extensions`` (DatasetFolder's: lowercase endings of the lowercased path;
+    default IMG_EXTENSIONS unless ``is_valid_file`` is given), ``follow_symlinks``
+    (enter linked directories, default True as torchvision; like os.walk it does not
+    detect a link back to an ancestor) and ``sharing_strategy`` of the path array.
 
-    Classes are the sorted sub-folders of ``root``; within a class, files are
-    sorted by their path relative to the class folder (bytewise), found through any
-    depth of sub-folders. Attributes: ``classes``, ``class_to_idx``, ``paths`` (a
-    PackedStringArray of paths relative to ``root``), ``targets`` (a NumPy int64
-    array, built when asked for), ``path(i)``, ``target(i)``.
+    Attributes: ``classes``, ``class_to_idx``, ``extensions``, ``samples`` and
+    ``imgs`` (sequences of (path, class index) made on access), ``targets`` (the
+    class indices as a NumPy int64 array, made once when first read; torchvision's
+    is a list), ``paths`` (a PackedStringArray of paths relative to ``root``),
+    ``path(i)``, ``target(i)``. Override ``find_classes(directory)`` to choose the
+    classes, as with torchvision.
     """
 
     def __init__(self, root, transform: Optional[Callable] = None,
                  target_transform: Optional[Callable] = None,
                  loader: Optional[Callable[[str], object]] = None,
-                 extensions: Union[str, Sequence[str], None] = IMG_EXTENSIONS, *,
-                 allow_empty: bool = False, follow_symlinks: bool = True,
+                 is_valid_file: Optional[Callable[[str], bool]] = None,
+                 allow_empty: bool = False, *,
+                 extensions: Union[str, Sequence[str], None] = _DEFAULT,
+                 follow_symlinks: bool = True,
                  sharing_strategy: str = "file_descriptor"):
-        self.root = os.fspath(root)
+        if extensions is _DEFAULT:
+            extensions = IMG_EXTENSIONS if is_valid_file is None else None
+        if (extensions is None) == (is_valid_file is None):
+            raise ValueError("Both extensions and is_valid_file cannot be None or not None "
+                             "at the same time")
+        self.root = os.path.expanduser(root) if isinstance(root, str) else root
         self.transform = transform
         self.target_transform = target_transform
         self.loader = loader
         self.extensions = extensions
-        self.classes, self.class_to_idx = find_classes(self.root)
-        root_b = os.fsencode(self.root)
-        suffixes = _suffix_tuple(extensions)
+        self.classes, self.class_to_idx = self.find_classes(self.root)
+        if not self.class_to_idx:
+            raise ValueError("'class_to_index' must have at least one entry to collect any "
+                             "samples.")
+        self._dir = os.fspath(os.path.expanduser(self.root))
+        if is_valid_file is None:
+            def is_valid_file(path, _ext=extensions):
+                return has_file_allowed_extension(path, _ext)
+        # classes in sorted order of their names (torchvision walks sorted(class_to_idx));
+        # a class's files are contiguous, found by position, whatever index it has
+        order = sorted(self.class_to_idx)
+        indices = [self.class_to_idx[name] for name in order]
         starts = [0]
 
         def fill(writer):
-            for name in self.classes:
-                prefix = os.fsencode(name) + b"/"
-                n = _core.packed_scan(writer, os.path.join(root_b, os.fsencode(name)), prefix,
-                                      suffixes, follow_symlinks)
-                starts.append(starts[-1] + n)
+            for name in order:
+                class_dir = os.path.join(self._dir, name)
+                before = writer.count
+                if os.path.isdir(class_dir):
+                    # stored relative to root: join(root, stored) is torchvision's path
+                    cut = len(class_dir)
+                    writer.extend(name + path[cut:] for path in
+                                  _class_files(class_dir, is_valid_file, follow_symlinks))
+                starts.append(starts[-1] + writer.count - before)
 
         self.paths: PackedStringArray = _build(PackedStringArray, fill, sharing_strategy)
         # starts[c] is the index of class c's first file; a tuple of len(classes) + 1 ints
         self._starts = tuple(starts)
-        empty = [c for i, c in enumerate(self.classes) if starts[i] == starts[i + 1]]
+        self._class_of = tuple(indices)
+        self._targets = None
+        empty = [name for c, name in enumerate(order) if starts[c] == starts[c + 1]]
         if empty and not allow_empty:
-            wanted = ", ".join(extensions) if isinstance(extensions, (list, tuple)) \
-                else str(extensions)
-            raise FileNotFoundError(f"Found no valid file for the classes {', '.join(empty)}. "
-                                    f"Supported extensions are: {wanted}")
+            msg = f"Found no valid file for the classes {', '.join(sorted(empty))}. "
+            if extensions is not None:
+                listed = extensions if isinstance(extensions, str) else ", ".join(extensions)
+                msg += f"Supported extensions are: {listed}"
+            raise FileNotFoundError(msg)
+
+    def find_classes(self, directory) -> Tuple[List[str], Dict[str, int]]:
+        """The class folders of `directory` and their indices (override to choose)."""
+        return find_classes(directory)
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -103,18 +201,21 @@ class PackedImageFolder(Dataset):
             raise IndexError(f"PackedImageFolder index {index} out of range ({n} files)")
         return i
 
+    def _target_at(self, i: int) -> int:
+        return self._class_of[bisect.bisect_right(self._starts, i) - 1]
+
     def target(self, index: int) -> int:
         """The class index of sample `index`."""
-        return bisect.bisect_right(self._starts, self._index(index)) - 1
+        return self._target_at(self._index(index))
 
     def path(self, index: int) -> str:
-        """The full path of sample `index`."""
-        return os.path.join(self.root, self.paths[index])
+        """The full path of sample `index` (as torchvision's samples hold it)."""
+        return os.path.join(self._dir, self.paths[index])
 
     def __getitem__(self, index: int):
         i = self._index(index)
-        target = bisect.bisect_right(self._starts, i) - 1
-        sample = (self.loader or pil_loader)(os.path.join(self.root, self.paths[i]))
+        target = self._target_at(i)
+        sample = (self.loader or pil_loader)(os.path.join(self._dir, self.paths[i]))
         if self.transform is not None:
             sample = self.transform(sample)
         if self.target_transform is not None:
@@ -122,12 +223,27 @@ class PackedImageFolder(Dataset):
         return sample, target
 
     @property
-    def targets(self):
-        """Every sample's class index, as a NumPy int64 array (made on each access)."""
-        import numpy as np
+    def samples(self) -> _Samples:
+        """(full path, class index) of every sample, made one at a time on access."""
+        return _Samples(self)
 
-        counts = np.diff(np.asarray(self._starts, dtype=np.int64))
-        return np.repeat(np.arange(len(self.classes), dtype=np.int64), counts)
+    imgs = samples
+
+    @property
+    def targets(self):
+        """Every sample's class index, as a NumPy int64 array (made once)."""
+        if self._targets is None:
+            import numpy as np
+
+            counts = np.diff(np.asarray(self._starts, dtype=np.int64))
+            self._targets = np.repeat(np.asarray(self._class_of, dtype=np.int64), counts)
+            self._targets.flags.writeable = False
+        return self._targets
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_targets"] = None   # rebuilt on demand: not pickled into every worker
+        return state
 
     def __repr__(self) -> str:
         return (f"PackedImageFolder(root={self.root!r}, {len(self)} files, "
