@@ -904,7 +904,7 @@ view_equal_items(PyObject *self, PyObject *other)
 
 PyDoc_STRVAR(view_validate_doc,
 "validate() -> None\n--\n\n"
-"Check every offset of the whole segment (O(n); reads each item once are\n"
+"Check every offset of the whole segment (O(n); reads of single items are\n"
 "bounds-checked anyway). Raises ValueError naming the first bad item.");
 
 static PyObject *
