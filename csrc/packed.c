@@ -1312,10 +1312,14 @@ done:
 static int
 carry_add(PackedWriterObject *w, const uint8_t *p, size_t n)
 {
-    if (w->carry_len + n > w->carry_cap) {
+    size_t need;
+    if (__builtin_add_overflow(w->carry_len, n, &need))
+        return FL_NOMEM;
+    if (need > w->carry_cap) {
         size_t cap = w->carry_cap ? w->carry_cap : 4096;
-        while (cap < w->carry_len + n)
-            cap *= 2;
+        while (cap < need)
+            if (__builtin_mul_overflow(cap, (size_t)2, &cap))
+                return FL_NOMEM;
         uint8_t *c = PyMem_RawRealloc(w->carry, cap);
         if (c == NULL)
             return FL_NOMEM;
@@ -1517,10 +1521,13 @@ grow(void **p, size_t *cap, size_t need, size_t elem)
 {
     if (need <= *cap)
         return 0;
-    size_t c = *cap ? *cap : 64;
+    size_t c = *cap ? *cap : 64, bytes;
     while (c < need)
-        c *= 2;
-    void *q = PyMem_RawRealloc(*p, c * elem);
+        if (__builtin_mul_overflow(c, (size_t)2, &c))
+            return -1;
+    if (__builtin_mul_overflow(c, elem, &bytes))
+        return -1;
+    void *q = PyMem_RawRealloc(*p, bytes);
     if (q == NULL)
         return -1;
     *p = q;
@@ -1575,7 +1582,8 @@ scan_add(scan_ctx *c, const char *name, size_t n)
     size_t len = c->path_len + n;
     if (len > UINT32_MAX)
         return scan_fail(c, ENAMETOOLONG, name);
-    if (grow((void **)&c->names, &c->names_cap, c->names_len + len, 1) < 0 ||
+    if (len > SIZE_MAX - c->names_len ||
+        grow((void **)&c->names, &c->names_cap, c->names_len + len, 1) < 0 ||
         grow((void **)&c->ents, &c->ents_cap, c->nents + 1, sizeof(scan_ent)) < 0)
         return scan_fail(c, ENOMEM, name);
     memcpy(c->names + c->names_len, c->path, c->path_len);
