@@ -4,16 +4,20 @@ itself (no cluster layer of our own).
 * ``shard(iterable)`` inside an IterableDataset's ``__iter__`` gives this rank's
   and this worker's share: ranks see disjoint items whose union is the stream.
 * ``rank_info()`` says which rank this process is, for error messages.
-Node-level sharing of packed metadata is in ``share_on_node`` (one segment per
-node, attached by every local rank)."""
+* ``share_on_node(build)`` builds packed metadata once per node (one segment,
+  attached by every rank that can reach its pages) instead of once per rank.
+* ``node_key()`` says which ranks count as one node for that."""
 from __future__ import annotations
 
 import itertools
 import os
-import socket
+import warnings
+from datetime import timedelta
 
 import torch
 from torch.utils.data import get_worker_info
+
+from ._core import FastLoaderError
 
 
 def _dist():
@@ -52,30 +56,197 @@ def shard(iterable, rank=None, world_size=None):
     return itertools.islice(iterable, rank * nworkers + wid, None, shards)
 
 
-def share_on_node(build, group=None):
-    """Build an object once per node and share it with every local rank.
+def _read_boot_id():
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        return f.read().strip()
 
-    `build()` runs on the first rank of each host only and must return a
-    fastloader packed array; the others attach to its shared segment through a
-    handle exchanged with torch.distributed.all_gather_object, so a node with 8
-    ranks holds the data once. Without torch.distributed it just calls build()."""
+
+def node_key():
+    """What decides whether two processes can share a packed array's pages, as
+    a string, or None where this process cannot tell (no /proc).
+
+    Ranks attach to the builder's memfd through /proc/<pid>/fd/<n>, which needs
+    the same running kernel (its boot id: two machines never share one, even with
+    the same hostname) and the same PID namespace (the builder's pid must mean
+    the same process: two containers on one machine do not share one). Named
+    segments (file_system) also need the same /dev/shm. The hostname decides
+    none of this, so it is not part of the key."""
+    try:
+        boot = _read_boot_id()
+        pid_ns = os.stat("/proc/self/ns/pid")
+    except OSError:
+        return None
+    try:
+        shm = os.stat("/dev/shm")
+        shm_id = f"{shm.st_dev}:{shm.st_ino}"
+    except OSError:
+        shm_id = "-"
+    return f"{boot}/pidns:{pid_ns.st_dev}:{pid_ns.st_ino}/shm:{shm_id}"
+
+
+def _builder_name(build, key):
+    """What the ranks must agree on having built: the caller's `key`, else the
+    builder's qualified name (a functools.partial: its function and arguments)."""
+    if key is not None:
+        return str(key)
+    func, extra = build, ""
+    if hasattr(build, "func") and hasattr(build, "args"):   # functools.partial
+        func = build.func
+        extra = f"(*{build.args!r}, **{getattr(build, 'keywords', {})!r})"
+    mod = getattr(func, "__module__", None) or "?"
+    name = getattr(func, "__qualname__", None) or type(func).__qualname__
+    return f"{mod}.{name}{extra}"
+
+
+def _group_store(d, group):
+    """The c10d store behind `group` (a private but long-stable torch API), or
+    None where this torch has none to give."""
+    try:
+        c10d = d.distributed_c10d
+        if group is None:
+            return c10d._get_default_store()
+        return c10d._get_process_group_store(group)
+    except Exception:   # noqa: BLE001 -- only an optional early check is lost
+        return None
+
+
+_CALLS: dict = {}   # (store, group) -> how many share_on_node calls this process made
+
+
+def _rank_list(ranks):
+    return ", ".join(str(r) for r in ranks)
+
+
+def _wait_for_everyone(d, group, ranks, rank, timeout):
+    """Return once every rank of `group` has entered this call of share_on_node;
+    after `timeout`, raise an error naming the ranks that did not. It runs on
+    the group's store, so it needs no collective (which would only say that it
+    timed out, not who is missing)."""
+    store = _group_store(d, group)
+    if store is None:
+        return
+    ident = (id(store), tuple(ranks))
+    _CALLS[ident] = call = _CALLS.get(ident, 0) + 1
+    prefix = f"fastloader/share_on_node/{call}"
+    store.set(f"{prefix}/in/{rank}", b"1")
+    if store.add(f"{prefix}/count", 1) == len(ranks):
+        store.set(f"{prefix}/all", b"1")
+    try:
+        store.wait([f"{prefix}/all"], timeout)
+    except Exception as exc:   # noqa: BLE001 -- a store's timeout is a bare RuntimeError
+        try:
+            missing = [r for r in ranks if not store.check([f"{prefix}/in/{r}"])]
+        except Exception:   # noqa: BLE001 -- the store itself is gone: say so below
+            missing = None
+        if not missing:
+            raise FastLoaderError(f"fastloader: share_on_node on rank {rank}: waiting for "
+                                  f"the other ranks failed: {exc}") from exc
+        raise FastLoaderError(
+            f"fastloader: share_on_node on rank {rank}: rank(s) {_rank_list(missing)} did "
+            f"not call share_on_node within {timeout.total_seconds():g} s (every rank of "
+            "the group must call it, the same number of times)") from None
+
+
+def _gather(d, group, size, item, rank, what):
+    out = [None] * size   # one slot per rank of the group, not of the job
+    try:
+        d.all_gather_object(out, item, group=group)
+    except Exception as exc:   # noqa: BLE001 -- gloo reports a lost peer as RuntimeError
+        raise FastLoaderError(f"fastloader: share_on_node on rank {rank}: {what} "
+                              f"failed: {exc}") from exc
+    return out
+
+
+def _timeout_of(store, timeout):
+    if timeout is not None:
+        return timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
+    try:
+        return store.timeout
+    except Exception:   # noqa: BLE001
+        return timedelta(minutes=30)   # torch's default for gloo
+
+
+def share_on_node(build, group=None, *, key=None, timeout=None):
+    """Build an object once per node and share it with every rank of that node.
+
+    `build()` runs on the lowest rank of each node only and must return a
+    fastloader packed array; the node's other ranks attach to its shared
+    segment, so a node with 8 ranks holds the data once. Every rank of `group`
+    (default: the whole job) must call it. A node is what ``node_key()`` says
+    (same kernel boot, PID namespace and /dev/shm), not a hostname; a rank that
+    still cannot attach builds its own copy and warns.
+
+    The ranks must agree on what is built: by `key` when given, else by the
+    builder's qualified name. Errors name the rank at fault: a rank that never
+    calls (after `timeout`, default the process group's), ranks that called with
+    different builders, a builder that failed or died before publishing.
+    Without torch.distributed it just calls build()."""
     d = _dist()
     if d is None:
         return build()
-    host = socket.gethostname()
     rank = d.get_rank()
-    hosts = [None] * d.get_world_size()
-    d.all_gather_object(hosts, (host, rank), group=group)
-    leader = min(r for h, r in hosts if h == host)
-    obj = build() if rank == leader else None
-    handle = obj.node_handle() if obj is not None else None
-    handles = [None] * d.get_world_size()
-    d.all_gather_object(handles, (host, rank, handle), group=group)
-    if obj is None:
-        mine = next(hd for h, r, hd in handles if h == host and r == leader)
-        from .packed import attach_node_handle
+    ranks = list(range(d.get_world_size())) if group is None else \
+        d.get_process_group_ranks(group)
+    size = len(ranks)
+    store = _group_store(d, group)
+    wait = _timeout_of(store, timeout)
+    _wait_for_everyone(d, group, ranks, rank, wait)
 
-        obj = attach_node_handle(mine)
-    # the leader must keep its segment until every local rank has attached
-    d.barrier(group=group)
+    mine = (node_key(), _builder_name(build, key))
+    calls = _gather(d, group, size, (rank, *mine), rank, "exchanging node keys")
+    _check_same_builder(calls, rank)
+    peers = sorted(r for r, node, _ in calls if node is not None and node == mine[0])
+    leader = peers[0] if peers else rank   # no node key: this rank is a node of its own
+
+    obj, error = None, None
+    if rank == leader:
+        try:
+            obj = build()
+            handle = obj.node_handle()
+        except Exception as exc:   # noqa: BLE001 -- published to the peers, then re-raised
+            error, handle = exc, None
+        item = (rank, handle, None if error is None else f"{type(error).__name__}: {error}")
+    else:
+        item = (rank, None, None)
+    published = _gather(d, group, size, item, rank,
+                        f"waiting for rank {leader}, the builder for this node "
+                        "(it died or left before publishing its array?);")
+    if error is not None:
+        raise error
+    if obj is None:
+        _, handle, failure = next(p for p in published if p[0] == leader)
+        if failure is not None:
+            raise FastLoaderError(f"fastloader: share_on_node on rank {rank}: rank {leader}, "
+                                  f"the builder for this node, failed: {failure}")
+        obj = _attach_or_build(handle, build, rank, leader)
+    # the builder must keep its segment until every rank of its node has attached
+    try:
+        d.barrier(group=group)
+    except Exception as exc:   # noqa: BLE001
+        raise FastLoaderError(f"fastloader: share_on_node on rank {rank}: the final "
+                              f"barrier failed (a rank died?): {exc}") from exc
     return obj
+
+
+def _check_same_builder(calls, rank):
+    names: dict = {}
+    for r, _, name in calls:
+        names.setdefault(name, []).append(r)
+    if len(names) > 1:
+        listing = "; ".join(f"rank(s) {_rank_list(rs)}: {n}" for n, rs in names.items())
+        raise FastLoaderError(f"fastloader: share_on_node on rank {rank}: the ranks called "
+                              f"it with different builders ({listing})")
+
+
+def _attach_or_build(handle, build, rank, leader):
+    from .packed import attach_node_handle
+
+    try:
+        return attach_node_handle(handle)
+    except (OSError, FastLoaderError) as exc:
+        # e.g. /proc/<pid>/fd hidden by ptrace rules or another /proc: the pages
+        # cannot be shared from here, but the data can still be had
+        warnings.warn(f"fastloader: share_on_node: rank {rank} cannot attach to the array "
+                      f"of rank {leader} ({exc}); building a copy on this rank",
+                      RuntimeWarning, stacklevel=3)
+        return build()
