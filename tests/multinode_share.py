@@ -40,6 +40,10 @@ def builder_raises():
     raise ValueError("no index today")
 
 
+def builder_returns_a_list():
+    return [f"job/item_{i:06d}" for i in range(N)]
+
+
 def summary(arr):
     return {"len": len(arr), "first": arr[0], "last": arr[len(arr) - 1],
             "strategy": arr.sharing_strategy, "chars": sum(len(s) for s in arr)}
@@ -75,6 +79,9 @@ def run(scenario, rank, world, out_dir, tag):
     elif scenario == "builder_raises":
         result["array"] = summary(fd.share_on_node(builder_raises if rank == 0 else build,
                                                    key="index"))
+    elif scenario == "not_packed":
+        result["array"] = summary(fd.share_on_node(
+            builder_returns_a_list if rank == 0 else build, key="index"))
     elif scenario == "stale":
         # job TAG on named segments; a job killed after publishing is run first
         arr = fd.share_on_node(functools.partial(build, tag, "file_system"))

@@ -160,6 +160,14 @@ def test_builder_that_raises_fails_every_rank_of_its_node(tmp_path):
         in reports[1]["error"]
 
 
+def test_builder_that_returns_no_packed_array_is_a_type_error(tmp_path):
+    reports, logs = run_ranks("not_packed", 2, tmp_path / "out")
+    assert reports[0]["error_type"] == "TypeError", reports[0]
+    assert "build() must return a fastloader packed array, got list" in reports[0]["error"]
+    assert reports[1]["error_type"] == "FastLoaderError"
+    assert "rank 0, the builder for this node, failed: TypeError" in reports[1]["error"]
+
+
 def test_killed_job_leaves_no_data_for_the_next(tmp_path):
     """A job on named segments is SIGKILLed after publishing; the next job with
     the same builder gets its own data on every rank, never the dead job's."""

@@ -32,6 +32,21 @@ def sh(*cmd, check=True):
     return subprocess.run(cmd, capture_output=True, text=True, check=check, timeout=30)
 
 
+NS_PREFIX = "fl-mn-"
+
+
+def _remove_namespaces_of_dead_runs():
+    """A run killed outright (SIGKILL) could not delete its namespaces: they carry
+    its pid, so a later run removes those whose process is gone."""
+    listing = sh("ip", "netns", "list", check=False).stdout.split()
+    for name in listing:
+        parts = name.split("-")
+        if name.startswith(NS_PREFIX) and len(parts) == 4 and parts[2].isdigit():
+            pid = int(parts[2])
+            if pid != os.getpid() and not os.path.exists(f"/proc/{pid}"):
+                sh("ip", "netns", "del", name, check=False)
+
+
 def _why_not():
     if os.geteuid() != 0:
         return "needs root to create network namespaces (CI runs as root)"
@@ -44,15 +59,13 @@ def _why_not():
         return f"cannot create network namespaces here: {probe.stderr.strip()}"
     try:
         inner = sh("ip", "netns", "exec", name, "unshare", "--uts", "--pid", "--fork",
-                   "--mount", "--mount-proc", "true", check=False)
+                   "--mount", "--mount-proc", "sh", "-c",
+                   "hostname flprobe && mount --bind /etc/hosts /etc/hosts", check=False)
         if inner.returncode != 0:
             return f"cannot create UTS/PID namespaces here: {inner.stderr.strip()}"
     finally:
         sh("ip", "netns", "del", name, check=False)
     return None
-
-
-WHY_NOT = _why_not()
 
 
 class TwoHosts:
@@ -61,7 +74,7 @@ class TwoHosts:
     def __init__(self, work_dir):
         tag = os.getpid()
         self.work_dir = work_dir
-        self.ns = [f"fl-mn-{tag}-a", f"fl-mn-{tag}-b"]
+        self.ns = [f"{NS_PREFIX}{tag}-a", f"{NS_PREFIX}{tag}-b"]
         self.addr = [f"{SUBNET}.1", f"{SUBNET}.2"]
         self.hostname = [f"flhost-{tag}-a", f"flhost-{tag}-b"]
         self._veth = [f"fma{tag}"[:15], f"fmb{tag}"[:15]]
@@ -155,8 +168,10 @@ def one_index_per_host(starts, hosts):
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
-    if WHY_NOT:
-        pytest.skip(WHY_NOT)
+    why_not = _why_not()
+    if why_not:
+        pytest.skip(why_not)
+    _remove_namespaces_of_dead_runs()
     out_dir = tmp_path_factory.mktemp("multinode")
     runs = {}
     with TwoHosts(str(out_dir)) as hosts:

@@ -70,7 +70,9 @@ def node_key():
     the same hostname) and the same PID namespace (the builder's pid must mean
     the same process: two containers on one machine do not share one). Named
     segments (file_system) also need the same /dev/shm. The hostname decides
-    none of this, so it is not part of the key."""
+    none of this, so it is not part of the key; nor is torchrun's GROUP_RANK,
+    which numbers agents, not kernels (ranks of two agents in one container can
+    share pages, and torchrun cannot tell two containers apart)."""
     try:
         boot = _read_boot_id()
         pid_ns = os.stat("/proc/self/ns/pid")
@@ -202,6 +204,9 @@ def share_on_node(build, group=None, *, key=None, timeout=None):
     if rank == leader:
         try:
             obj = build()
+            if not callable(getattr(obj, "node_handle", None)):
+                raise TypeError("fastloader: share_on_node: build() must return a fastloader "
+                                f"packed array, got {type(obj).__name__}")
             handle = obj.node_handle()
         except Exception as exc:   # noqa: BLE001 -- published to the peers, then re-raised
             error, handle = exc, None
