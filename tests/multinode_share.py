@@ -33,7 +33,19 @@ def other_build():
 
 
 def builder_exits():
+    report({"rank": ARGS["rank"], "died": True})
     os._exit(7)   # dies inside build(), before publishing anything
+
+
+def report(result):
+    path = os.path.join(ARGS["out_dir"], f"{ARGS['rank']}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.rename(path + ".tmp", path)
+
+
+ARGS = {}
+TWO_NODES = {0: "node-x", 1: "node-y", 2: "node-y"}   # rank 1 builds for itself and 2
 
 
 def builder_raises():
@@ -62,6 +74,24 @@ def run(scenario, rank, world, out_dir, tag):
         # /proc: attaching must fail, and the rank must build instead
         fd.node_key = lambda: "one-node-by-fiat"
         result["array"] = summary(fd.share_on_node(build))
+    elif scenario == "pidns_same_key_copy_fails":
+        fd.node_key = lambda: "one-node-by-fiat"
+        result["array"] = summary(fd.share_on_node(build if rank == 0 else builder_raises,
+                                                   key="index"))
+    elif scenario in ("two_nodes_builder_dies", "two_nodes_builder_raises"):
+        fd.node_key = lambda: TWO_NODES[rank]
+        broken = builder_exits if scenario.endswith("dies") else builder_raises
+        result["array"] = summary(fd.share_on_node(broken if rank == 1 else build,
+                                                   key="index"))
+    elif scenario == "missing_default":   # no timeout: the process group's ends it
+        if rank == world - 1:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and not os.path.exists(
+                    os.path.join(out_dir, "0.json")):
+                time.sleep(0.2)
+            result["skipped_the_call"] = True
+        else:
+            result["array"] = summary(fd.share_on_node(build))
     elif scenario == "different_builders":
         result["array"] = summary(fd.share_on_node(build if rank == 0 else other_build))
     elif scenario == "missing":
@@ -98,8 +128,10 @@ def run(scenario, rank, world, out_dir, tag):
 
 def main(scenario, rank, world, out_dir, tag="job"):
     rank, world = int(rank), int(world)
+    ARGS.update(rank=rank, out_dir=out_dir)
+    pg_timeout = 15 if scenario == "missing_default" else 40
     dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=40))
+                            timeout=timedelta(seconds=pg_timeout))
     t0 = time.monotonic()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -109,9 +141,7 @@ def main(scenario, rank, world, out_dir, tag="job"):
             result = {"rank": rank, "error_type": type(exc).__name__, "error": str(exc)}
     result.update(built=bool(BUILT), seconds=time.monotonic() - t0,
                   warnings=[str(w.message) for w in caught])
-    with open(os.path.join(out_dir, f"{rank}.json.tmp"), "w") as f:
-        json.dump(result, f)
-    os.rename(os.path.join(out_dir, f"{rank}.json.tmp"), os.path.join(out_dir, f"{rank}.json"))
+    report(result)
     if rank == 0:   # it hosts the store: stay until the others have reported
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not all(

@@ -119,6 +119,19 @@ def test_rank_that_cannot_attach_builds_its_own_copy_and_warns(tmp_path):
     assert "\n" not in warning
 
 
+@pytest.mark.skipif(_unshare_available() is not None, reason=str(_unshare_available()))
+def test_rank_whose_own_copy_fails_fails_every_rank(tmp_path):
+    """Rank 1 cannot attach and its own build raises: it raises that, and rank 0
+    (which has its array) raises naming rank 1 rather than waiting for it."""
+    reports, logs = run_ranks("pidns_same_key_copy_fails", 2, tmp_path / "out",
+                              wrap={1: PIDNS})
+    assert sorted(reports) == [0, 1], logs
+    assert reports[1]["error_type"] == "ValueError", reports[1]
+    assert reports[0]["error_type"] == "FastLoaderError", reports[0]
+    assert "rank 1 (building its own copy) failed: ValueError: no index today" \
+        in reports[0]["error"]
+
+
 def test_different_builders_is_an_error_on_every_rank(tmp_path):
     reports, logs = run_ranks("different_builders", 2, tmp_path / "out")
     assert sorted(reports) == [0, 1], logs
@@ -136,9 +149,44 @@ def test_rank_that_never_calls_is_named_after_the_timeout(tmp_path):
     assert sorted(reports) == [0, 1, 2], logs
     for r in (0, 1):
         assert reports[r]["error_type"] == "FastLoaderError", reports[r]
-        assert "rank(s) 2 did not call share_on_node within 8 s" in reports[r]["error"]
+        assert "rank(s) 2 did not reach share_on_node within 8 s" in reports[r]["error"]
         assert not reports[r]["built"]
     assert reports[2]["skipped_the_call"]
+
+
+def test_rank_that_never_calls_is_named_at_the_process_group_timeout(tmp_path):
+    """No timeout= given: the exchange ends at the process group's timeout (15 s
+    here), and the error still names the rank that never came."""
+    reports, logs = run_ranks("missing_default", 3, tmp_path / "out")
+    assert sorted(reports) == [0, 1, 2], logs
+    for r in (0, 1):
+        assert reports[r]["error_type"] == "FastLoaderError", reports[r]
+        assert re.search(r"rank\(s\) 2 did not reach share_on_node within \d+ s",
+                         reports[r]["error"]), reports[r]["error"]
+
+
+def test_builder_of_another_node_that_dies_fails_every_rank(tmp_path):
+    """Nodes {0} and {1, 2}; rank 1 exits inside build(): rank 2 names rank 1 as
+    its builder, rank 0 (which built its own) fails the exchange instead of
+    waiting for the process group's timeout."""
+    reports, logs = run_ranks("two_nodes_builder_dies", 3, tmp_path / "out")
+    assert sorted(reports) == [0, 1, 2], logs
+    assert reports[1]["died"]
+    assert reports[2]["error_type"] == "FastLoaderError", reports[2]
+    assert "waiting for rank 1, the builder for this node" in reports[2]["error"]
+    assert reports[0]["error_type"] == "FastLoaderError", reports[0]
+    assert "exchanging the nodes' arrays (a rank died?)" in reports[0]["error"]
+    assert reports[0]["built"] and not reports[2]["built"]
+
+
+def test_builder_of_another_node_that_raises_fails_every_rank(tmp_path):
+    reports, logs = run_ranks("two_nodes_builder_raises", 3, tmp_path / "out")
+    assert sorted(reports) == [0, 1, 2], logs
+    assert reports[1]["error_type"] == "ValueError"
+    assert "rank 1 (the builder for another node) failed: ValueError: no index today" \
+        in reports[0]["error"]
+    assert "rank 1 (the builder for this node) failed: ValueError: no index today" \
+        in reports[2]["error"]
 
 
 def test_builder_that_dies_before_publishing_is_named(tmp_path):
@@ -146,7 +194,8 @@ def test_builder_that_dies_before_publishing_is_named(tmp_path):
     as their node's builder (gloo sees the closed connection), well before the
     process group's timeout."""
     reports, logs = run_ranks("builder_dies", 3, tmp_path / "out")
-    assert sorted(reports) == [1, 2], logs
+    assert sorted(reports) == [0, 1, 2], logs
+    assert reports[0]["died"]
     for r in (1, 2):
         assert reports[r]["error_type"] == "FastLoaderError", reports[r]
         assert "waiting for rank 0, the builder for this node" in reports[r]["error"]
@@ -156,7 +205,7 @@ def test_builder_that_raises_fails_every_rank_of_its_node(tmp_path):
     reports, logs = run_ranks("builder_raises", 2, tmp_path / "out")
     assert reports[0]["error_type"] == "ValueError"
     assert reports[1]["error_type"] == "FastLoaderError"
-    assert "rank 0, the builder for this node, failed: ValueError: no index today" \
+    assert "rank 0 (the builder for this node) failed: ValueError: no index today" \
         in reports[1]["error"]
 
 
@@ -165,7 +214,7 @@ def test_builder_that_returns_no_packed_array_is_a_type_error(tmp_path):
     assert reports[0]["error_type"] == "TypeError", reports[0]
     assert "build() must return a fastloader packed array, got list" in reports[0]["error"]
     assert reports[1]["error_type"] == "FastLoaderError"
-    assert "rank 0, the builder for this node, failed: TypeError" in reports[1]["error"]
+    assert "rank 0 (the builder for this node) failed: TypeError" in reports[1]["error"]
 
 
 def test_killed_job_leaves_no_data_for_the_next(tmp_path):

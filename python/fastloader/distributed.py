@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 import warnings
 from datetime import timedelta
 
@@ -119,53 +120,73 @@ def _rank_list(ranks):
     return ", ".join(str(r) for r in ranks)
 
 
-def _wait_for_everyone(d, group, ranks, rank, timeout):
-    """Return once every rank of `group` has entered this call of share_on_node;
-    after `timeout`, raise an error naming the ranks that did not. It runs on
-    the group's store, so it needs no collective (which would only say that it
-    timed out, not who is missing)."""
-    store = _group_store(d, group)
-    if store is None:
-        return
-    ident = (id(store), tuple(ranks))
-    _CALLS[ident] = call = _CALLS.get(ident, 0) + 1
-    prefix = f"fastloader/share_on_node/{call}"
-    store.set(f"{prefix}/in/{rank}", b"1")
-    if store.add(f"{prefix}/count", 1) == len(ranks):
-        store.set(f"{prefix}/all", b"1")
-    try:
-        store.wait([f"{prefix}/all"], timeout)
-    except Exception as exc:   # noqa: BLE001 -- a store's timeout is a bare RuntimeError
+class _Arrivals:
+    """Who has entered this call of share_on_node, kept in the group's store, so
+    that a rank that never calls can be named (a collective that times out only
+    says that it did). Each rank writes one key on entry; that is all unless a
+    `timeout` of its own was asked for or the first exchange fails."""
+
+    def __init__(self, d, group, ranks, rank):
+        self.ranks, self.rank = ranks, rank
+        self.store = _group_store(d, group)
+        if self.store is None:
+            return
+        ident = (id(self.store), tuple(ranks))
+        _CALLS[ident] = call = _CALLS.get(ident, 0) + 1
+        self.prefix = f"fastloader/share_on_node/{call}"
+        self.store.set(f"{self.prefix}/in/{rank}", b"1")
+
+    def missing(self):
+        """The ranks that have not entered, or None if the store cannot say."""
+        if self.store is None:
+            return None
         try:
-            missing = [r for r in ranks if not store.check([f"{prefix}/in/{r}"])]
-        except Exception:   # noqa: BLE001 -- the store itself is gone: say so below
-            missing = None
+            return [r for r in self.ranks if not self.store.check([f"{self.prefix}/in/{r}"])]
+        except Exception:   # noqa: BLE001 -- the store's host is gone
+            return None
+
+    def error(self, seconds):
+        missing = self.missing()
         if not missing:
-            raise FastLoaderError(f"fastloader: share_on_node on rank {rank}: waiting for "
-                                  f"the other ranks failed: {exc}") from exc
-        raise FastLoaderError(
-            f"fastloader: share_on_node on rank {rank}: rank(s) {_rank_list(missing)} did "
-            f"not call share_on_node within {timeout.total_seconds():g} s (every rank of "
-            "the group must call it, the same number of times)") from None
+            return None
+        return FastLoaderError(
+            f"fastloader: share_on_node on rank {self.rank}: rank(s) {_rank_list(missing)} "
+            f"did not reach share_on_node within {seconds:.0f} s (died, or does not call it: "
+            "every rank of the group must call it, the same number of times)")
+
+    def wait(self, timeout):
+        """Return once every rank has entered; after `timeout`, raise naming the
+        ranks that have not (the last to enter marks the call complete)."""
+        if self.store is None:
+            return
+        if self.store.add(f"{self.prefix}/count", 1) == len(self.ranks):
+            self.store.set(f"{self.prefix}/all", b"1")
+        try:
+            self.store.wait([f"{self.prefix}/all"], timeout)
+        except Exception as exc:   # noqa: BLE001 -- a store's timeout is a bare RuntimeError
+            named = self.error(timeout.total_seconds())
+            if named is not None:
+                raise named from None
+            raise FastLoaderError(f"fastloader: share_on_node on rank {self.rank}: waiting "
+                                  f"for the other ranks failed: {exc}") from exc
 
 
-def _gather(d, group, size, item, rank, what):
+def _gather(d, group, size, item, rank, what, arrivals=None, started=None):
     out = [None] * size   # one slot per rank of the group, not of the job
     try:
         d.all_gather_object(out, item, group=group)
     except Exception as exc:   # noqa: BLE001 -- gloo reports a lost peer as RuntimeError
+        if arrivals is not None:   # timed out because a rank never came? name it
+            named = arrivals.error(time.monotonic() - started)
+            if named is not None:
+                raise named from exc
         raise FastLoaderError(f"fastloader: share_on_node on rank {rank}: {what} "
                               f"failed: {exc}") from exc
     return out
 
 
-def _timeout_of(store, timeout):
-    if timeout is not None:
-        return timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
-    try:
-        return store.timeout
-    except Exception:   # noqa: BLE001
-        return timedelta(minutes=30)   # torch's default for gloo
+def _as_timedelta(timeout):
+    return timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
 
 
 def share_on_node(build, group=None, *, key=None, timeout=None):
@@ -179,9 +200,11 @@ def share_on_node(build, group=None, *, key=None, timeout=None):
     still cannot attach builds its own copy and warns.
 
     The ranks must agree on what is built: by `key` when given, else by the
-    builder's qualified name. Errors name the rank at fault: a rank that never
-    calls (after `timeout`, default the process group's), ranks that called with
-    different builders, a builder that failed or died before publishing.
+    builder's qualified name. Errors name the rank at fault: ranks that called
+    with different builders, a builder that failed or died before publishing, a
+    rank that never calls (after `timeout` seconds when given, else when the
+    process group's timeout ends the exchange; a rank that dies is seen at once
+    where the backend sees it, as gloo does).
     Without torch.distributed it just calls build()."""
     d = _dist()
     if d is None:
@@ -190,12 +213,14 @@ def share_on_node(build, group=None, *, key=None, timeout=None):
     ranks = list(range(d.get_world_size())) if group is None else \
         d.get_process_group_ranks(group)
     size = len(ranks)
-    store = _group_store(d, group)
-    wait = _timeout_of(store, timeout)
-    _wait_for_everyone(d, group, ranks, rank, wait)
+    started = time.monotonic()
+    arrivals = _Arrivals(d, group, ranks, rank)
+    if timeout is not None:
+        arrivals.wait(_as_timedelta(timeout))
 
     mine = (node_key(), _builder_name(build, key))
-    calls = _gather(d, group, size, (rank, *mine), rank, "exchanging node keys")
+    calls = _gather(d, group, size, (rank, *mine), rank, "exchanging node keys",
+                    arrivals, started)
     _check_same_builder(calls, rank)
     peers = sorted(r for r, node, _ in calls if node is not None and node == mine[0])
     leader = peers[0] if peers else rank   # no node key: this rank is a node of its own
@@ -213,24 +238,43 @@ def share_on_node(build, group=None, *, key=None, timeout=None):
         item = (rank, handle, None if error is None else f"{type(error).__name__}: {error}")
     else:
         item = (rank, None, None)
-    published = _gather(d, group, size, item, rank,
-                        f"waiting for rank {leader}, the builder for this node "
-                        "(it died or left before publishing its array?);")
+    waiting = "exchanging the nodes' arrays (a rank died?)" if rank == leader else \
+        (f"waiting for rank {leader}, the builder for this node (it died or left "
+         "before publishing its array?)")
+    published = _gather(d, group, size, item, rank, waiting)
     if error is not None:
         raise error
+    # a failed builder fails every rank of the group, not only its node's: the
+    # other nodes would otherwise wait for it in the exchange below
+    _raise_failures(published, rank, leader)
     if obj is None:
-        _, handle, failure = next(p for p in published if p[0] == leader)
-        if failure is not None:
-            raise FastLoaderError(f"fastloader: share_on_node on rank {rank}: rank {leader}, "
-                                  f"the builder for this node, failed: {failure}")
-        obj = _attach_or_build(handle, build, rank, leader)
-    # the builder must keep its segment until every rank of its node has attached
-    try:
-        d.barrier(group=group)
-    except Exception as exc:   # noqa: BLE001
-        raise FastLoaderError(f"fastloader: share_on_node on rank {rank}: the final "
-                              f"barrier failed (a rank died?): {exc}") from exc
+        handle = next(p[1] for p in published if p[0] == leader)
+        try:
+            obj = _attach_or_build(handle, build, rank, leader)
+        except Exception as exc:   # noqa: BLE001 -- published to the peers, then re-raised
+            error = exc
+    # this exchange also keeps every builder's segment alive until its node's
+    # ranks have attached
+    done = _gather(d, group, size,
+                   (rank, None, None if error is None else f"{type(error).__name__}: {error}"),
+                   rank, "the final exchange (a rank died?)")
+    if error is not None:
+        raise error
+    _raise_failures(done, rank, None)
     return obj
+
+
+def _raise_failures(published, rank, leader):
+    """Raise naming the first rank whose part failed (leader None: the last stage,
+    where a rank failed to build its own copy)."""
+    failed = [(r, failure) for r, _, failure in published if failure is not None]
+    if not failed:
+        return
+    r, failure = failed[0]
+    role = ("building its own copy" if leader is None else
+            "the builder for this node" if r == leader else "the builder for another node")
+    raise FastLoaderError(f"fastloader: share_on_node on rank {rank}: rank {r} ({role}) "
+                          f"failed: {failure}")
 
 
 def _check_same_builder(calls, rank):
