@@ -59,7 +59,7 @@ def _why_not():
         return f"cannot create network namespaces here: {probe.stderr.strip()}"
     try:
         inner = sh("ip", "netns", "exec", name, "unshare", "--uts", "--pid", "--fork",
-                   "--mount", "--mount-proc", "sh", "-c",
+                   "--mount", "--mount-proc", "--kill-child", "sh", "-c",
                    "hostname flprobe && mount --bind /etc/hosts /etc/hosts", check=False)
         if inner.returncode != 0:
             return f"cannot create UTS/PID namespaces here: {inner.stderr.strip()}"

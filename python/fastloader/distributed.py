@@ -89,16 +89,14 @@ def node_key():
 
 def _builder_name(build, key):
     """What the ranks must agree on having built: the caller's `key`, else the
-    builder's qualified name (a functools.partial: its function and arguments)."""
+    builder's qualified name. Never its arguments or repr: those can differ
+    between processes (addresses in a repr) for one and the same builder."""
     if key is not None:
         return str(key)
-    func, extra = build, ""
-    if hasattr(build, "func") and hasattr(build, "args"):   # functools.partial
-        func = build.func
-        extra = f"(*{build.args!r}, **{getattr(build, 'keywords', {})!r})"
-    mod = getattr(func, "__module__", None) or "?"
+    func = getattr(build, "func", build)   # functools.partial: its function
+    mod = getattr(func, "__module__", None) or type(func).__module__
     name = getattr(func, "__qualname__", None) or type(func).__qualname__
-    return f"{mod}.{name}{extra}"
+    return f"{mod}.{name}"
 
 
 def _group_store(d, group):
@@ -113,7 +111,7 @@ def _group_store(d, group):
         return None
 
 
-_CALLS: dict = {}   # (store, group) -> how many share_on_node calls this process made
+_CALLS: dict = {}   # (store, group's ranks) -> share_on_node calls made by this process
 
 
 def _rank_list(ranks):
