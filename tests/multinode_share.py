@@ -67,6 +67,9 @@ def run(scenario, rank, world, out_dir, tag):
         # two subgroups of 2 in a job of 4: each builds once for its own members
         groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         result["array"] = summary(fd.share_on_node(build, group=groups[rank // 2]))
+    elif scenario == "not_member":
+        group = dist.new_group([0, 1])
+        result["array"] = summary(fd.share_on_node(build, group=group))
     elif scenario == "pidns":
         result["array"] = summary(fd.share_on_node(build))
     elif scenario == "pidns_same_key":

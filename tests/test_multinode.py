@@ -77,6 +77,16 @@ def test_subgroup_smaller_than_the_job_builds_once_per_subgroup(tmp_path):
     assert [reports[r]["built"] for r in range(4)] == [True, False, True, False]
 
 
+def test_rank_outside_the_group_is_told_so(tmp_path):
+    reports, logs = run_ranks("not_member", 3, tmp_path / "out")
+    assert sorted(reports) == [0, 1, 2], logs
+    expect_array(reports[0])
+    expect_array(reports[1])
+    assert reports[2]["error_type"] == "ValueError", reports[2]
+    assert "rank 2 is not in the group (ranks 0, 1)" in reports[2]["error"]
+    assert not reports[2]["built"]
+
+
 def _unshare_available():
     if shutil.which("unshare") is None:
         return "unshare (util-linux) is not installed"

@@ -210,6 +210,9 @@ def share_on_node(build, group=None, *, key=None, timeout=None):
     rank = d.get_rank()
     ranks = list(range(d.get_world_size())) if group is None else \
         d.get_process_group_ranks(group)
+    if rank not in ranks:   # torch returns None lists to a non-member: a cryptic TypeError
+        raise ValueError(f"fastloader: share_on_node: rank {rank} is not in the group "
+                         f"(ranks {_rank_list(ranks)})")
     size = len(ranks)
     started = time.monotonic()
     arrivals = _Arrivals(d, group, ranks, rank)
