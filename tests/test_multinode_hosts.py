@@ -175,6 +175,7 @@ def jobs(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("multinode")
     runs = {}
     with TwoHosts(str(out_dir)) as hosts:
+        runs["routes"] = [sh("ip", "-n", ns, "route", "show").stdout for ns in hosts.ns]
         for mode in ("reference", "elastic"):
             codes, logs, seconds = run_job(hosts, mode, out_dir)
             assert codes == [0, 0], f"{mode}: torchrun exited {codes}\n" + \
@@ -182,6 +183,15 @@ def jobs(tmp_path_factory):
             runs[mode] = read(out_dir, mode)
             print(f"{mode} job: {seconds:.1f} s")
     return hosts, runs
+
+
+def test_two_hosts_reach_nothing_outside_their_subnet(jobs):
+    """The job's traffic can only go between the two namespaces: each has one
+    route, to the private subnet on the veth pair, and no default route."""
+    _, runs = jobs
+    for routes in runs["routes"]:
+        lines = [line for line in routes.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith(f"{SUBNET}.0/24 dev {IFNAME}"), routes
 
 
 def steps(lines, loader):
