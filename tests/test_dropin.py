@@ -278,6 +278,29 @@ def test_environment_variable_installs_at_import(subprocess_env, value, strategy
         assert out.stdout.split() == ["True", "FastMultiProcessingIter", "True", strategy]
 
 
+@pytest.mark.parametrize("as_module", [False, True], ids=["script", "module"])
+def test_launch_runs_an_unmodified_script_with_install(subprocess_env, tmp_path, as_module):
+    (tmp_path / "train_unmodified.py").write_text(textwrap.dedent("""
+        import sys
+        import torch
+        from tests.dropin_datasets import WhoLoads
+
+        if __name__ == "__main__":
+            loader = torch.utils.data.DataLoader(WhoLoads(8), batch_size=4, num_workers=1)
+            it = iter(loader)
+            print(type(it).__name__, bool(next(it)["fast"].all()), sys.argv[1:])
+        """))
+    target = ["-m", "train_unmodified"] if as_module else [str(tmp_path / "train_unmodified.py")]
+    env = dict(subprocess_env, PYTHONPATH=f"{tmp_path}{os.pathsep}{subprocess_env['PYTHONPATH']}")
+    out = subprocess.run([sys.executable, "-m", "fastloader.launch", *target, "--lr", "0.1"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["FastMultiProcessingIter", "True", "['--lr',", "'0.1']"]
+    usage = subprocess.run([sys.executable, "-m", "fastloader.launch"], capture_output=True,
+                           text=True, env=env, timeout=300)
+    assert usage.returncode == 2 and "usage" in usage.stderr
+
+
 def test_reading_accelerates_prepared_flag_warns_unless_installed():
     loader = DataLoader(list(range(8)), batch_size=2, num_workers=2)
     with pytest.warns(FastLoaderWarning, match="accelerate.*fastloader.install"):
