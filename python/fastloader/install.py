@@ -16,8 +16,12 @@ launch`` runs it)::
     import fastloader
     fastloader.install()            # before the loaders are iterated
 
-or, without editing the script, ``FASTLOADER_INSTALL=1`` in the environment of a
-program that imports fastloader (for example from a ``sitecustomize.py``).
+or, without editing the script, ``python -m fastloader.launch train.py ARGS``
+(also ``torchrun ... -m fastloader.launch train.py`` and ``accelerate launch -m
+fastloader.launch train.py``; see launch.py), or ``FASTLOADER_INSTALL=1`` in the
+environment of a program that imports fastloader (frameworks import torch, not
+fastloader: the variable alone does nothing there; a ``sitecustomize.py`` with
+``import fastloader`` makes it apply to every interpreter).
 
 Limits: a subclass that overrides ``_get_iterator`` with its own iterator
 (torchdata's ``StatefulDataLoader``) keeps it; loaders that torch builds get
@@ -40,6 +44,8 @@ ENV_VAR = "FASTLOADER_INSTALL"
 
 _lock = threading.Lock()
 _original = None            # torch's DataLoader._get_iterator while installed
+# what a call that raced with uninstall() falls back to
+_TORCH_GET_ITERATOR = _TorchDataLoader.__dict__["_get_iterator"]
 _strategy = "file_descriptor"
 
 
@@ -50,7 +56,7 @@ class FastLoaderWarning(UserWarning):
 def _fast_get_iterator(self):
     """torch's _get_iterator with the multi-process branch routed to fastloader."""
     if self.num_workers == 0:
-        return _original(self)
+        return (_original or _TORCH_GET_ITERATOR)(self)
     from .iterator import FastMultiProcessingIter
 
     self.check_worker_number_rationality()
@@ -77,8 +83,9 @@ def install(sharing_strategy: str = "file_descriptor") -> None:
 
 
 def uninstall() -> None:
-    """Give torch's DataLoader its own iterator back (iterators already running
-    finish their epoch as they are). Idempotent."""
+    """Give torch's DataLoader its own iterator back, for iterators created from
+    now on (a running epoch, and a loader's persistent workers, stay fastloader's
+    until that iterator ends). Idempotent."""
     global _original
     with _lock:
         if _original is None:
