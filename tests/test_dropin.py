@@ -2,6 +2,7 @@
 DataLoader[...] in annotations, iter(loader)._workers, fastloader.install() for the
 loaders frameworks build, and the copy-on-read warning for pandas / NumPy objects."""
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -11,7 +12,6 @@ import typing
 import warnings
 
 import numpy as np
-import pickle
 import psutil
 import pytest
 import torch
@@ -24,7 +24,7 @@ from fastloader.iterator import FastMultiProcessingIter
 from fastloader.metadata_warning import (HeavyMetadataWarning, _reset_once_registry,
                                          find_heavy_metadata)
 from tests import dropin_datasets as dd
-from tests.helpers import assert_same_batch_lists, collect, deadline, settle, wait_until
+from tests.helpers import assert_same_batch_lists, collect, deadline, settle
 
 pytestmark = [pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")]
 

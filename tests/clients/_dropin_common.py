@@ -4,7 +4,6 @@ and which leaves one marker file per process that served samples, naming its pid
 its parent and whether it was one of fastloader's workers."""
 import multiprocessing
 import os
-import sys
 
 import torch
 from torch.utils.data import Dataset, get_worker_info
@@ -90,8 +89,3 @@ def loader_class(kind):
     else:
         from fastloader import DataLoader
     return DataLoader
-
-
-def fail(message):
-    print(message, file=sys.stderr)
-    raise SystemExit(2)
