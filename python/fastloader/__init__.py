@@ -8,9 +8,13 @@ try:
     from . import _codec_hooks  # noqa: F401  (registers the codec with the C core)
     from ._core import FastLoaderError, WorkerError
     from .dataloader import DataLoader
+    from .install import FastLoaderWarning, install, installed, uninstall
     from .metadata_warning import HeavyMetadataWarning
     from .packed import PackedArray, PackedFormatError, PackedStringArray
     from .packed_dataset import PackedImageFolder
+    from .install import install_from_environment as _install_from_environment
+
+    _install_from_environment()   # FASTLOADER_INSTALL=1: see install.py
 except ImportError as _exc:   # pragma: no cover - a broken build
     # Keep the package importable so that `python -m fastloader doctor` can say
     # what is wrong; everything else raises this error when used.
@@ -23,4 +27,4 @@ except ImportError as _exc:   # pragma: no cover - a broken build
 
 __all__ = ["DataLoader", "FastLoaderError", "WorkerError", "PackedStringArray",
            "PackedArray", "PackedFormatError", "PackedImageFolder", "HeavyMetadataWarning",
-           "__version__"]
+           "FastLoaderWarning", "install", "uninstall", "installed", "__version__"]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
+from typing import TypeVar
 
 from torch.utils.data import DataLoader as _TorchDataLoader
 
@@ -13,6 +14,10 @@ from .pool import STRATEGIES
 from .single import SingleProcessIter
 
 _DEFAULT_STRATEGY = "file_descriptor"
+
+# torch's DataLoader is Generic[T_co]; re-parameterising keeps `DataLoader[Batch]`
+# valid in annotations after the import swap (a plain subclass is not generic).
+T_co = TypeVar("T_co", covariant=True)
 
 # Per loader, outside its __dict__ so that pickling or deep-copying a loader works
 # as with torch: its last iterator (weakly) and what it left for state_dict().
@@ -37,7 +42,7 @@ def _check_strategy(value):
     return value
 
 
-class DataLoader(_TorchDataLoader):
+class DataLoader(_TorchDataLoader[T_co]):
     """Drop-in replacement for :class:`torch.utils.data.DataLoader`.
 
     Takes every argument torch's DataLoader takes, in the same order, plus
@@ -71,6 +76,22 @@ class DataLoader(_TorchDataLoader):
         if attr == "sharing_strategy":
             _check_strategy(val)
         super().__setattr__(attr, val)
+
+    # accelerate's prepare() reads this flag on every loader it is given, then
+    # rebuilds the loader as its own torch DataLoader: the one moment at which the
+    # loss of fastloader's transport can be reported (install.py).
+    @property
+    def _is_accelerate_prepared(self):
+        prepared = self.__dict__.get("_fastloader_accelerate_prepared", False)
+        if not prepared:
+            from .install import warn_if_rebuilt_by_accelerate
+
+            warn_if_rebuilt_by_accelerate(self)
+        return prepared
+
+    @_is_accelerate_prepared.setter
+    def _is_accelerate_prepared(self, value):
+        self.__dict__["_fastloader_accelerate_prepared"] = value
 
     def _get_iterator(self):
         resume = _PENDING_RESUME.pop(self, None)

@@ -47,7 +47,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
     _clock = staticmethod(time.perf_counter)
     _epoch = 0
 
-    def __init__(self, loader, resume_state=None):
+    def __init__(self, loader, resume_state=None, strategy="file_descriptor"):
         super().__init__(loader)
         self._loader_ref = weakref.ref(loader)
         self._loader_generator = loader.generator
@@ -61,6 +61,8 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             raise AssertionError(
                 "prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter")
         self._in_order = getattr(loader, "in_order", True)
+        # a torch DataLoader given fastloader's transport by install() has none
+        self.sharing_strategy = getattr(loader, "sharing_strategy", strategy)
         self._shutdown = False
         self._pool = None
         self._resume_state = resume_state
@@ -91,7 +93,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             for wid in range(self._num_workers)
         ]
         self._pool = WorkerPool(
-            context, specs, STRATEGIES[loader.sharing_strategy],
+            context, specs, STRATEGIES[self.sharing_strategy],
             task_capacity=max(1 << 20, 4 * max_tasks * _task_bytes_estimate(loader)),
             result_capacity=max_tasks + 2)
         self._channels = self._pool.channel_tuple
@@ -116,6 +118,17 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
     @property
     def worker_pids(self):
         return self._pool.pids
+
+    # torch's multi-process iterator keeps its worker processes in `_workers` and
+    # says with `_worker_pids_set` whether they are running; code written for torch
+    # reads both (w.pid, w.is_alive(), w.exitcode, w.join()): see worker_process.py.
+    @property
+    def _workers(self):
+        return self._pool.procs if self._pool is not None else []
+
+    @property
+    def _worker_pids_set(self):
+        return self._pool is not None and not self._shutdown
 
     def segments(self):
         """(address, nbytes) of the ring arenas mapped in this process."""

@@ -106,6 +106,43 @@ def _examine(value) -> Optional[tuple]:
     return None
 
 
+def _pandas_object_values(value):
+    """The Python-object values behind a pandas Series (object dtype, or strings
+    kept as Python str: StringDtype with "python" storage), else None. Arrow-backed
+    and numeric columns hold no per-item Python objects: nothing to copy."""
+    np = sys.modules.get("numpy")
+    dtype = value.dtype
+    if getattr(dtype, "kind", None) == "O" and isinstance(dtype, np.dtype):
+        return value.to_numpy(copy=False)
+    if getattr(dtype, "storage", None) == "python":
+        arr = getattr(value.array, "_ndarray", None)   # no copy where pandas has one
+        return arr if arr is not None else value.to_numpy(dtype=object)
+    return None
+
+
+def _pandas_findings(value, where) -> Optional[List[Finding]]:
+    """Findings for a pandas DataFrame (per column: `df['col']`) or Series; None
+    for anything else. pandas objects are looked at through their columns, never
+    through their internals (block managers), which the attribute walk would miss."""
+    pd = sys.modules.get("pandas")
+    if pd is None or not isinstance(value, (pd.DataFrame, pd.Series)):
+        return None
+    columns = value.items() if isinstance(value, pd.DataFrame) else [(None, value)]
+    found = []
+    for name, column in columns:
+        values = _pandas_object_values(column)
+        if values is None:
+            continue
+        info = _examine(values)
+        if info is None:
+            continue
+        _, n, nbytes, all_str = info[:4]
+        path = where if name is None else f"{where}[{name!r}]"
+        kind = "pandas column" if name is not None else "pandas Series"
+        found.append(Finding(path, f"{kind} of Python objects", n, nbytes, all_str))
+    return found
+
+
 def _attributes(obj):
     """(name, value) of an object's instance attributes (__dict__ and __slots__)."""
     try:
@@ -155,6 +192,11 @@ def find_heavy_metadata(dataset, root: str = "dataset") -> List[Finding]:
             where = f"{path}.{name}"
             if id(value) in visited:
                 continue
+            frames = _pandas_findings(value, where)
+            if frames is not None:
+                visited.add(id(value))
+                found.extend(frames)
+                continue
             info = _examine(value)
             if info is not None:
                 visited.add(id(value))
@@ -192,14 +234,18 @@ def _message(f: Finding, dataset, num_workers: int, method: str) -> str:
     mib = f.nbytes / _MIB
     total = mib * num_workers
     holder = type(dataset).__qualname__ if f.path != "dataset" else "the dataset itself"
-    what = f"a Python {f.type_name}" if f.type_name != "NumPy object array" else \
-        "a NumPy array of Python objects"
+    if f.type_name == "NumPy object array":
+        what = "a NumPy array of Python objects"
+    elif f.type_name.startswith("pandas"):
+        what = f"a {f.type_name}"
+    else:
+        what = f"a Python {f.type_name}"
     if method == "fork":
         how = ("each forked worker copies the pages it reads (reading a Python object "
                "writes its reference count)")
     else:
         how = f"each '{method}' worker unpickles its own copy at start-up"
-    short = f.path.split(".")[-1]
+    short = f.path.split(".")[-1]   # "names", or "df['path']" for a pandas column
     if f.numeric:
         fix = f"store it as a NumPy array (np.asarray({short})) or a tensor: no object per item"
     elif f.all_str:

@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 
 from . import _core, forkserver, payload
 from .worker import worker_main
+from .worker_process import WorkerProcess
 
 # Main-process ends of live channels: a worker forked later closes them at start.
 MAIN_FDS: set = set()
@@ -237,7 +238,7 @@ class WorkerPool:
         first = len(self.procs)
         for i, proc in enumerate(procs):
             if errors[i] is None:
-                self.procs.append(proc)
+                self.procs.append(WorkerProcess(proc))
                 self._pids.append(proc.pid)
                 ch = self.channels[first + i]
                 ch.started(proc.pid)

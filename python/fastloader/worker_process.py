@@ -1,0 +1,90 @@
+"""The worker processes as torch's iterator shows them: ``iter(loader)._workers``.
+
+Libraries, tests and user code read torch's ``_MultiProcessingDataLoaderIter._workers``
+(``w.pid``, ``w.is_alive()``, ``w.exitcode``, ``w.join()``) to watch, signal or wait
+for the workers. fastloader's pool starts its workers as multiprocessing processes
+too, but it closes them at shutdown to give back their sentinel fds at once, after
+which a ``multiprocessing.Process`` raises ``ValueError`` on ``pid`` or ``exitcode``.
+torch's workers stay readable after the iterator shut them down, so the pool keeps
+each one in a ``WorkerProcess``: the Process surface, still answering (pid, name,
+exit code) once closed, and never signalling a pid that may have been reused."""
+from __future__ import annotations
+
+from typing import Optional
+
+__all__ = ["WorkerProcess"]
+
+
+class WorkerProcess:
+    """A started worker process with ``multiprocessing.Process``'s surface."""
+
+    __slots__ = ("_proc", "_pid", "_name", "_daemon", "_exitcode", "_closed")
+
+    def __init__(self, proc):
+        self._proc = proc
+        self._pid = proc.pid
+        self._name = proc.name
+        self._daemon = proc.daemon
+        self._exitcode: Optional[int] = None
+        self._closed = False
+
+    # -- identity (kept after close) --------------------------------------------------
+    @property
+    def pid(self) -> Optional[int]:
+        return self._pid
+
+    ident = pid
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def daemon(self) -> bool:
+        return self._daemon
+
+    @property
+    def sentinel(self) -> int:
+        if self._closed:
+            raise ValueError("the worker has exited and its process object was closed")
+        return self._proc.sentinel
+
+    # -- state --------------------------------------------------------------------------
+    @property
+    def exitcode(self) -> Optional[int]:
+        """None while running; the exit status, or -N for a death by signal N."""
+        if not self._closed:
+            self._exitcode = self._proc.exitcode
+        return self._exitcode
+
+    def is_alive(self) -> bool:
+        return not self._closed and self._proc.is_alive()
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        if not self._closed:
+            self._proc.join(timeout)
+            self._exitcode = self._proc.exitcode
+
+    # -- signals: only while the process is ours (not yet reaped) -----------------------
+    def terminate(self) -> None:
+        if not self._closed:
+            self._proc.terminate()
+
+    def kill(self) -> None:
+        if not self._closed:
+            self._proc.kill()
+
+    def close(self) -> None:
+        """Release the process object's resources (its sentinel fd). Raises
+        ValueError, as multiprocessing does, while the process still runs."""
+        if self._closed:
+            return
+        code = self._proc.exitcode
+        self._proc.close()   # raises while the process runs: nothing changes then
+        self._exitcode = code
+        self._closed = True
+
+    def __repr__(self) -> str:
+        code = self.exitcode
+        state = "started" if code is None else f"stopped exitcode={code}"
+        return f"<WorkerProcess name={self._name!r} pid={self._pid} {state}>"
