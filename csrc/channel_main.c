@@ -9,6 +9,7 @@
 #include "objects.h"
 #include "codec.h"
 #include "pool.h"
+#include "seg_names.h"
 #include "shm.h"
 #include <errno.h>
 #include <fcntl.h>
@@ -78,8 +79,11 @@ mainchan_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     uint32_t free_cap = 4096;
     c->ctl_size = fl_ctl_layout(task_cap, res_cap, free_cap);
     if (strategy == FL_STRATEGY_FS) {
-        snprintf(c->ctl_name, sizeof(c->ctl_name), "/%s-ctl", c->prefix);
-        code = fl_seg_create(c->ctl_name, c->ctl_size, 0, &c->ctl_fd, &err);
+        fl_seg_ident ident;
+        code = fl_seg_create_unique(c->prefix, 'c', 0, c->ctl_size, 0, c->ctl_name, &ident,
+                                    &c->ctl_fd, &err);
+        c->ctl_dev = ident.dev;
+        c->ctl_ino = ident.ino;
     }
     else {
         code = fl_seg_create(NULL, c->ctl_size, 0, &c->ctl_fd, &err);
@@ -126,20 +130,13 @@ unlink_named(MainChannelObject *c)
 {
     if (c->strategy != FL_STRATEGY_FS)
         return;
-    if (c->ctl_name[0]) {
-        shm_unlink(c->ctl_name);
-        c->ctl_name[0] = '\0';
-    }
-    if (c->ctl != NULL) {
-        char name[FL_NAME_MAX];
-        uint64_t lo = atomic_load(&c->ctl->unlinked_upto);
-        uint64_t hi = atomic_load(&c->ctl->next_seg_id);
-        for (uint64_t id = lo; id < hi && hi - id < (1u << 20); id++) {
-            fl_seg_name(name, c->prefix, id);
-            shm_unlink(name);
-        }
-        atomic_store(&c->ctl->unlinked_upto, hi);
-    }
+    /* the control block's name among them (by then a planted file could bear a
+     * name the worker unlinked: the sweep removes only our own files) */
+    c->ctl_name[0] = '\0';
+    /* Whatever the worker made and the main process did not open yet: results
+     * still queued, an arena never announced, a segment of a worker killed while
+     * it made it. All of them, and only them, start with this channel's prefix. */
+    fl_seg_unlink_prefix(c->prefix);
 }
 
 /* Close every fd and remove named segments; the control block stays mapped until
@@ -193,12 +190,13 @@ mainchan_handle(MainChannelObject *c, PyObject *Py_UNUSED(ignored))
 {
     if (c->closed)
         return PyErr_Format(PyExc_ValueError, "fastloader: channel is closed");
-    return Py_BuildValue("{s:i,s:i,s:i,s:n,s:s,s:s,s:i,s:i,s:i,s:i}", "worker_id",
+    return Py_BuildValue("{s:i,s:i,s:i,s:n,s:s,s:K,s:K,s:s,s:i,s:i,s:i,s:i}", "worker_id",
                          c->worker_id, "strategy", c->strategy, "ctl_fd", c->ctl_fd,
                          "ctl_size", (Py_ssize_t)c->ctl_size, "ctl_name", c->ctl_name,
-                         "prefix", c->prefix, "efd_main", c->efd_main, "efd_worker",
-                         c->efd_worker, "sock", c->sock_worker, "main_pid",
-                         (int)c->owner_pid);
+                         "ctl_dev", (unsigned long long)c->ctl_dev, "ctl_ino",
+                         (unsigned long long)c->ctl_ino, "prefix", c->prefix, "efd_main",
+                         c->efd_main, "efd_worker", c->efd_worker, "sock", c->sock_worker,
+                         "main_pid", (int)c->owner_pid);
 }
 
 PyDoc_STRVAR(mainchan_started_doc,
@@ -335,8 +333,12 @@ mainchan_put_task(MainChannelObject *c, PyObject *args)
 
 /* ---- receiving ---- */
 
+/* Map the segment a result announces. Under file_system the name is opened only to
+ * find the very file the worker made: anything else (planted by another user, a
+ * link, the wrong inode) is refused before a byte of it is read, and `what` names it. */
 static int
-map_segment(MainChannelObject *c, uint64_t seg_id, uint64_t size, void **addr, int *err)
+map_segment(MainChannelObject *c, const fl_result *r, uint64_t size, void **addr, int *err,
+            char *what, size_t what_len)
 {
     int fd = -1, code;
     if (c->strategy == FL_STRATEGY_FD) {
@@ -344,26 +346,28 @@ map_segment(MainChannelObject *c, uint64_t seg_id, uint64_t size, void **addr, i
         code = fl_recv_fd(c->sock_main, &fd, &m, sizeof(m), err);
         if (code != FL_OK)
             return code;
-        if (m.seg_id != seg_id || m.size != size) {
+        if (m.seg_id != r->seg || m.size != size) {
+            close(fd);
+            return FL_CORRUPT;
+        }
+        struct stat sb;
+        if (fstat(fd, &sb) < 0 || (uint64_t)sb.st_size < size) {
             close(fd);
             return FL_CORRUPT;
         }
     }
     else {
-        char name[FL_NAME_MAX];
-        fl_seg_name(name, c->prefix, seg_id);
-        code = fl_seg_open(name, &fd, err);
-        if (code != FL_OK)
+        char name[FL_NAME_MAX], why[128];
+        fl_seg_ident ident = {r->token, r->dev, r->ino};
+        fl_seg_name(name, c->prefix, 's', r->seg, r->token);
+        code = fl_seg_open_verified(name, &ident, size, &fd, err, why, sizeof(why));
+        if (code != FL_OK) {
+            size_t n = strlen(what);
+            snprintf(what + n, what_len - n, " %s%s%s%s", FL_SHM_DIR, name,
+                     why[0] ? ": refused, " : "", why);
             return code;
+        }
         shm_unlink(name);   /* both sides have it now: the name is no longer needed */
-        uint64_t upto = atomic_load(&c->ctl->unlinked_upto);
-        if (seg_id + 1 > upto)
-            atomic_store(&c->ctl->unlinked_upto, seg_id + 1);
-    }
-    struct stat sb;
-    if (fstat(fd, &sb) < 0 || (uint64_t)sb.st_size < size) {
-        close(fd);
-        return FL_CORRUPT;
     }
     code = fl_seg_map(fd, size, addr, err);
     close(fd);   /* the mapping keeps the memory; holding fds would exhaust ulimit -n */
@@ -385,9 +389,10 @@ take_result(fl_state *st, MainChannelObject *c, const fl_result *r)
             uint64_t size = r->slot_size * r->nslots;
             if (r->nslots == 0 || size / r->nslots != r->slot_size)
                 return fl_raise(FL_CORRUPT, 0, "receiving a ring arena");
-            code = map_segment(c, r->seg, size, &addr, &err);
+            char what[FL_NAME_MAX + 200] = "mapping a worker's ring arena";
+            code = map_segment(c, r, size, &addr, &err, what, sizeof(what));
             if (code != FL_OK)
-                return fl_raise(code, err, "mapping a worker's ring arena");
+                return fl_raise(code, err, what);
             SegmentObject *seg = fl_segment_new(st, addr, size);
             if (seg == NULL)
                 return NULL;
@@ -418,9 +423,10 @@ take_result(fl_state *st, MainChannelObject *c, const fl_result *r)
     else if (r->where == FL_WHERE_OVERFLOW) {
         void *addr;
         uint64_t size = FL_ALIGN_UP(r->nbytes, 4096);
-        code = map_segment(c, r->seg, size, &addr, &err);
+        char what[FL_NAME_MAX + 200] = "mapping an overflow segment";
+        code = map_segment(c, r, size, &addr, &err, what, sizeof(what));
         if (code != FL_OK)
-            return fl_raise(code, err, "mapping an overflow segment");
+            return fl_raise(code, err, what);
         SegmentObject *seg = fl_segment_new(st, addr, size);
         if (seg == NULL)
             return NULL;

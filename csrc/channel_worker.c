@@ -10,11 +10,13 @@
 #include "objects.h"
 #include "codec.h"
 #include "pool.h"
+#include "seg_names.h"
 #include "shm.h"
 #include <errno.h>
 #include <poll.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -45,7 +47,9 @@ workerchan_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     PyObject *o_name = PyDict_GetItemString(h, "ctl_name");
     PyObject *o_prefix = PyDict_GetItemString(h, "prefix");
     PyObject *o_pid = PyDict_GetItemString(h, "main_pid");
-    if (!o_wid || !o_strat || !o_size || !o_name || !o_prefix || !o_pid)
+    PyObject *o_dev = PyDict_GetItemString(h, "ctl_dev");
+    PyObject *o_ino = PyDict_GetItemString(h, "ctl_ino");
+    if (!o_wid || !o_strat || !o_size || !o_name || !o_prefix || !o_pid || !o_dev || !o_ino)
         return PyErr_Format(PyExc_ValueError, "fastloader: incomplete channel handle");
     WorkerChannelObject *w = (WorkerChannelObject *)type->tp_alloc(type, 0);
     if (w == NULL)
@@ -54,20 +58,27 @@ workerchan_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     w->efd_worker = efd_worker;
     w->sock = sock;
     w->main_pidfd = -1;
+    w->arena_fd = -1;
     w->worker_id = (int)PyLong_AsLong(o_wid);
     w->strategy = (int)PyLong_AsLong(o_strat);
     w->ctl_size = (size_t)PyLong_AsSsize_t(o_size);
     w->main_pid = (pid_t)PyLong_AsLong(o_pid);
     w->nslots_target = nslots < 2 ? 2 : (nslots > 64 ? 64 : nslots);
+    fl_seg_ident ctl_ident = {0, PyLong_AsUnsignedLongLong(o_dev),
+                              PyLong_AsUnsignedLongLong(o_ino)};
     const char *prefix = PyUnicode_AsUTF8(o_prefix);
     const char *ctl_name = PyUnicode_AsUTF8(o_name);
     if (PyErr_Occurred() || prefix == NULL || ctl_name == NULL)
         goto fail_py;
     snprintf(w->prefix, sizeof(w->prefix), "%s", prefix);
     if (w->strategy == FL_STRATEGY_FS) {
-        code = fl_seg_open(ctl_name, &ctl_fd, &err);
+        char why[128], what[FL_NAME_MAX + 200];
+        code = fl_seg_open_verified(ctl_name, &ctl_ident, w->ctl_size, &ctl_fd, &err, why,
+                                    sizeof(why));
         if (code != FL_OK) {
-            fl_raise(code, err, "opening the control block");
+            snprintf(what, sizeof(what), "opening the control block %s%s%s%s", FL_SHM_DIR,
+                     ctl_name, why[0] ? ": refused, " : "", why);
+            fl_raise(code, err, what);
             goto fail_py;
         }
     }
@@ -104,6 +115,8 @@ workerchan_dealloc(WorkerChannelObject *w)
     PyTypeObject *tp = Py_TYPE(w);
     if (w->arena)
         munmap(w->arena, w->arena_size);
+    if (w->arena_fd >= 0)
+        close(w->arena_fd);
     PyMem_RawFree(w->busy);
     if (w->ctl) {
         fl_worker_disarm(w->ctl);
@@ -246,7 +259,25 @@ workerchan_get_task(WorkerChannelObject *w, PyObject *Py_UNUSED(ignored))
     }
 }
 
-/* Make (or replace) the arena so that a batch of `need` bytes fits a slot. */
+/* Drop an arena the main process was never told of: its fd (never sent) or its
+ * name (never to be opened). */
+static void
+forget_unannounced_arena(WorkerChannelObject *w)
+{
+    if (w->arena == NULL || w->arena_announced)
+        return;
+    if (w->arena_fd >= 0) {
+        close(w->arena_fd);
+        w->arena_fd = -1;
+    }
+    if (w->strategy == FL_STRATEGY_FS && w->arena_name[0])
+        shm_unlink(w->arena_name);
+    w->arena_name[0] = '\0';
+}
+
+/* Make (or replace) the arena so that a batch of `need` bytes fits a slot. The
+ * main process learns of it with the first batch placed in it (the fd travels
+ * then, see announce_arena), so nothing here can leave it a stray fd. */
 static int
 new_arena(WorkerChannelObject *w, size_t need, int *err)
 {
@@ -263,37 +294,47 @@ new_arena(WorkerChannelObject *w, size_t need, int *err)
         return FL_ERRNO;
     }
     uint64_t id = atomic_fetch_add(&w->ctl->next_seg_id, 1);
-    char name[FL_NAME_MAX];
+    char name[FL_NAME_MAX] = "";
+    fl_seg_ident ident = {0, 0, 0};
     int fd = -1, code;
+    void *addr = NULL;
+    uint8_t *busy = NULL;
     if (fs)
-        fl_seg_name(name, w->prefix, id);
-    code = fl_seg_create(fs ? name : NULL, size, 1, &fd, err);
+        code = fl_seg_create_unique(w->prefix, 's', id, size, 1, name, &ident, &fd, err);
+    else
+        code = fl_seg_create(NULL, size, 1, &fd, err);
     if (fs)
         fl_worker_end_create();
     if (code != FL_OK)
         return code;
-    void *addr;
     code = fl_seg_map(fd, size, &addr, err);
-    if (code == FL_OK && w->strategy == FL_STRATEGY_FD) {
-        fl_fdmsg m = {id, size};
-        code = fl_send_fd(w->sock, fd, &m, sizeof(m), err);
-        if (code != FL_OK)
-            munmap(addr, size);
+    if (code != FL_OK)
+        goto fail;
+    busy = PyMem_RawCalloc(nslots, 1);
+    if (fl_test_fail_arena_setup > 0) {   /* test seam: this last step fails */
+        fl_test_fail_arena_setup--;
+        PyMem_RawFree(busy);
+        busy = NULL;
     }
-    close(fd);
-    if (code != FL_OK) {
-        if (w->strategy == FL_STRATEGY_FS)
-            shm_unlink(name);
-        return code;
-    }
-    uint8_t *busy = PyMem_RawCalloc(nslots, 1);
     if (busy == NULL) {
-        munmap(addr, size);
-        return FL_NOMEM;
+        code = FL_NOMEM;
+        goto fail;
     }
+    /* nothing can fail from here on */
+    forget_unannounced_arena(w);
     if (w->arena)
         munmap(w->arena, w->arena_size);   /* the main process keeps its own mapping */
     PyMem_RawFree(w->busy);
+    if (fs) {
+        close(fd);
+        fd = -1;
+    }
+    w->arena_fd = fd;
+    snprintf(w->arena_name, sizeof(w->arena_name), "%s", name);
+    w->arena_token = ident.token;
+    w->arena_dev = ident.dev;
+    w->arena_ino = ident.ino;
+    w->arena_announced = 0;
     w->busy = busy;
     w->arena = addr;
     w->arena_size = size;
@@ -303,13 +344,39 @@ new_arena(WorkerChannelObject *w, size_t need, int *err)
     w->gen++;
     w->n_arenas++;
     return FL_OK;
+fail:
+    if (addr != NULL)
+        munmap(addr, size);
+    close(fd);
+    if (fs)
+        shm_unlink(name);
+    return code;
+}
+
+static int
+res_has_room(fl_ctl *c)
+{
+    uint64_t head = atomic_load_explicit(&c->res_head, memory_order_relaxed);
+    uint64_t tail = atomic_load_explicit(&c->res_tail, memory_order_acquire);
+    return head - tail < c->res_cap;
+}
+
+/* file_descriptor strategy: send a segment's fd right before the result that
+ * names it, once nothing can fail between the two (the result has room), so the
+ * main process always pairs an fd with its own result. */
+static int
+send_seg_fd(WorkerChannelObject *w, int fd, uint64_t id, uint64_t size, int *err)
+{
+    if (!res_has_room(w->ctl))
+        return FL_FULL;
+    fl_fdmsg m = {id, size};
+    return fl_send_fd(w->sock, fd, &m, sizeof(m), err);
 }
 
 static int
 make_overflow(WorkerChannelObject *w, size_t need, uint8_t **addr, size_t *size, uint64_t *id,
-              int *fd, int *err)
+              int *fd, char *name, fl_seg_ident *ident, int *err)
 {
-    char name[FL_NAME_MAX];
     int fs = w->strategy == FL_STRATEGY_FS;
     *size = FL_ALIGN_UP(need, 4096);
     if (fs && fl_worker_begin_create() < 0) {
@@ -317,9 +384,11 @@ make_overflow(WorkerChannelObject *w, size_t need, uint8_t **addr, size_t *size,
         return FL_ERRNO;
     }
     *id = atomic_fetch_add(&w->ctl->next_seg_id, 1);
+    int code;
     if (fs)
-        fl_seg_name(name, w->prefix, *id);
-    int code = fl_seg_create(fs ? name : NULL, *size, 1, fd, err);
+        code = fl_seg_create_unique(w->prefix, 's', *id, *size, 1, name, ident, fd, err);
+    else
+        code = fl_seg_create(NULL, *size, 1, fd, err);
     if (fs)
         fl_worker_end_create();
     if (code != FL_OK)
@@ -328,8 +397,10 @@ make_overflow(WorkerChannelObject *w, size_t need, uint8_t **addr, size_t *size,
     code = fl_seg_map(*fd, *size, &p, err);
     if (code != FL_OK) {
         close(*fd);
-        if (w->strategy == FL_STRATEGY_FS)
+        *fd = -1;
+        if (fs)
             shm_unlink(name);
+        name[0] = '\0';
         return code;
     }
     *addr = p;
@@ -376,6 +447,9 @@ workerchan_publish(WorkerChannelObject *w, PyObject *args)
     uint8_t *ovf = NULL;
     size_t ovf_size = 0;
     uint64_t ovf_id = 0;
+    char ovf_name[FL_NAME_MAX] = "";
+    fl_seg_ident ovf_ident = {0, 0, 0};
+    int pushed = 0;
     PyObject *ret = NULL;
     if (plan == NULL)
         return NULL;
@@ -384,15 +458,10 @@ workerchan_publish(WorkerChannelObject *w, PyObject *args)
     size_t need = fl_plan_size(plan);
     drain_frees(w);
     if (w->arena == NULL || need > w->slot_size) {
-        code = new_arena(w, need, &err);
-        /* FL_FULL: too big for any arena. Anything else (no memory for a whole
-         * arena): this batch still gets a segment of its own size below, and a
-         * failure there is what the user sees. */
-        if (code != FL_OK && code != FL_FULL && code != FL_ERRNO) {
-            fl_raise(code, err, "creating a ring arena");
-            goto done;
-        }
-        code = FL_OK;
+        /* Whatever went wrong (too big for any arena, no memory for a whole arena),
+         * this batch still gets a segment of its own size below, and a failure
+         * there is what the user sees. */
+        (void)new_arena(w, need, &err);
     }
     uint32_t slot = UINT32_MAX;
     if (w->arena != NULL && need <= w->slot_size) {
@@ -405,16 +474,28 @@ workerchan_publish(WorkerChannelObject *w, PyObject *args)
     if (slot != UINT32_MAX) {
         if (fl_plan_write(st, plan, w->arena + (size_t)slot * w->slot_size, w->slot_size) < 0)
             goto done;
-        w->busy[slot] = 1;
         r.where = FL_WHERE_SLOT;
         r.gen = w->gen;
         r.slot = slot;
         r.seg = w->arena_seg;
         r.slot_size = w->slot_size;
         r.nslots = w->nslots;
+        r.token = w->arena_token;
+        r.dev = w->arena_dev;
+        r.ino = w->arena_ino;
+        if (!w->arena_announced && w->arena_fd >= 0) {
+            code = send_seg_fd(w, w->arena_fd, w->arena_seg, w->arena_size, &err);
+            if (code != FL_OK) {
+                fl_raise(code, err, "sending a ring arena");
+                goto done;
+            }
+            close(w->arena_fd);
+            w->arena_fd = -1;
+        }
     }
     else {
-        code = make_overflow(w, need, &ovf, &ovf_size, &ovf_id, &ovf_fd, &err);
+        code = make_overflow(w, need, &ovf, &ovf_size, &ovf_id, &ovf_fd, ovf_name, &ovf_ident,
+                             &err);
         if (code != FL_OK) {
             char what[96];
             snprintf(what, sizeof(what), "creating a %zu-byte overflow segment", ovf_size);
@@ -424,8 +505,7 @@ workerchan_publish(WorkerChannelObject *w, PyObject *args)
         if (fl_plan_write(st, plan, ovf, ovf_size) < 0)
             goto done;
         if (w->strategy == FL_STRATEGY_FD) {
-            fl_fdmsg m = {ovf_id, ovf_size};
-            code = fl_send_fd(w->sock, ovf_fd, &m, sizeof(m), &err);
+            code = send_seg_fd(w, ovf_fd, ovf_id, ovf_size, &err);
             if (code != FL_OK) {
                 fl_raise(code, err, "sending an overflow segment");
                 goto done;
@@ -433,8 +513,9 @@ workerchan_publish(WorkerChannelObject *w, PyObject *args)
         }
         r.where = FL_WHERE_OVERFLOW;
         r.seg = ovf_id;
-        w->n_overflow++;
-        atomic_fetch_add_explicit(&w->ctl->overflowed, 1, memory_order_relaxed);
+        r.token = ovf_ident.token;
+        r.dev = ovf_ident.dev;
+        r.ino = ovf_ident.ino;
     }
     r.nbytes = need;
     /* counted before the push, so that whoever sees the batch sees it counted */
@@ -447,17 +528,23 @@ workerchan_publish(WorkerChannelObject *w, PyObject *args)
         fl_raise(code, 0, "publishing a result");
         goto done;
     }
+    pushed = 1;
+    if (slot != UINT32_MAX) {
+        w->busy[slot] = 1;
+        w->arena_announced = 1;
+    }
+    else {
+        w->n_overflow++;
+        atomic_fetch_add_explicit(&w->ctl->overflowed, 1, memory_order_relaxed);
+    }
     ret = Py_NewRef(Py_None);
 done:
     if (ovf != NULL)
         munmap(ovf, ovf_size);
     if (ovf_fd >= 0)
         close(ovf_fd);
-    if (ret == NULL && ovf != NULL && w->strategy == FL_STRATEGY_FS) {
-        char name[FL_NAME_MAX];
-        fl_seg_name(name, w->prefix, ovf_id);
-        shm_unlink(name);
-    }
+    if (!pushed && ovf_name[0])
+        shm_unlink(ovf_name);   /* never announced: nobody else will open it */
     fl_plan_free(plan);
     return ret;
 }
@@ -472,12 +559,58 @@ workerchan_stats(WorkerChannelObject *w, PyObject *Py_UNUSED(ignored))
                          (Py_ssize_t)w->slot_size, "slots", w->nslots);
 }
 
+/* The worker leaves its loop, whichever way. Results it published stay: the main
+ * process still opens them (and removes what it never opened when it closes the
+ * channel). Only if the main process is gone is everything removed here. */
 static PyObject *
 workerchan_cleanup(WorkerChannelObject *w, PyObject *Py_UNUSED(ignored))
 {
-    (void)w;
-    fl_worker_unlink_pending();
+    forget_unannounced_arena(w);
+    if (main_gone(w))
+        fl_worker_unlink_pending();
     Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(workerchan_test_hook_doc,
+"_test_hook(name, value)\n--\n\n"
+"Test seam (this process only): 'name_tokens' (a list of ints) are the next\n"
+"segment name tokens, before random ones; 'fail_arena_setup' (an int) ring arena\n"
+"set-ups fail at their last step as if memory ran out.");
+
+static PyObject *
+workerchan_test_hook(PyObject *Py_UNUSED(cls), PyObject *args)
+{
+    const char *name;
+    PyObject *value;
+    if (!PyArg_ParseTuple(args, "sO", &name, &value))
+        return NULL;
+    if (strcmp(name, "fail_arena_setup") == 0) {
+        int n = (int)PyLong_AsLong(value);
+        if (n == -1 && PyErr_Occurred())
+            return NULL;
+        fl_test_fail_arena_setup = n;
+        Py_RETURN_NONE;
+    }
+    if (strcmp(name, "name_tokens") == 0) {
+        uint64_t tokens[8];
+        PyObject *seq = PySequence_Fast(value, "name_tokens: a sequence of ints");
+        if (seq == NULL)
+            return NULL;
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+        if (n > 8)
+            n = 8;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            tokens[i] = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(seq, i));
+            if (PyErr_Occurred()) {
+                Py_DECREF(seq);
+                return NULL;
+            }
+        }
+        Py_DECREF(seq);
+        fl_seg_test_tokens(tokens, (size_t)n);
+        Py_RETURN_NONE;
+    }
+    return PyErr_Format(PyExc_ValueError, "_test_hook: unknown name %s", name);
 }
 
 static PyMethodDef workerchan_methods[] = {
@@ -485,7 +618,10 @@ static PyMethodDef workerchan_methods[] = {
     {"publish", (PyCFunction)workerchan_publish, METH_VARARGS, workerchan_publish_doc},
     {"stats", (PyCFunction)workerchan_stats, METH_NOARGS, PyDoc_STR("stats() -> dict")},
     {"cleanup", (PyCFunction)workerchan_cleanup, METH_NOARGS,
-     PyDoc_STR("cleanup(): remove named segments the main process has not taken yet")},
+     PyDoc_STR("cleanup(): the worker leaves; if the main process is gone, remove its "
+               "named segments")},
+    {"_test_hook", (PyCFunction)workerchan_test_hook, METH_VARARGS | METH_STATIC,
+     workerchan_test_hook_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -46,6 +46,7 @@ struct MainChannelObject {
     int closed;
     char prefix[200];
     char ctl_name[FL_NAME_MAX];
+    uint64_t ctl_dev, ctl_ino;   /* file_system: what the worker must find at ctl_name */
     SegmentObject *arena;
     uint32_t arena_gen;
     uint64_t arena_slot_size;
@@ -69,6 +70,10 @@ typedef struct {
     uint32_t nslots, nslots_target;
     uint32_t gen;
     uint64_t arena_seg;
+    uint64_t arena_token, arena_dev, arena_ino;
+    int arena_fd;            /* file_descriptor: sent with the arena's first batch */
+    int arena_announced;     /* the main process was told of the current arena */
+    char arena_name[FL_NAME_MAX];   /* file_system: unlinked if never announced */
     uint8_t *busy;
     uint64_t n_published, n_overflow, n_arenas;
     uint64_t last_task_ns;   /* when get_task last returned: busy time starts */
