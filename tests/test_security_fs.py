@@ -263,9 +263,8 @@ def test_name_collisions_retry_with_a_fresh_name(tmp_path, fixed_prefix):
         as_nobody(plant, names, payload)
     else:
         plant(names, payload)
-    hook = _core.WorkerChannel._test_hook
     try:
-        hook("name_tokens", tokens[:2])   # the main process makes the control block
+        _core.WorkerChannel._test_hook("name_tokens", tokens[:2])   # the control block
         dataset = SizedDataset([16] * 6)
         loader = DataLoader(dataset, batch_size=2, num_workers=1,
                             multiprocessing_context="fork", sharing_strategy="file_system",
@@ -281,7 +280,8 @@ def test_name_collisions_retry_with_a_fresh_name(tmp_path, fixed_prefix):
             with open(os.path.join(SHM, name), "rb") as f:
                 assert f.read(len(payload)) == payload, f"{name} was overwritten"
     finally:
-        hook("name_tokens", [])
+        if hasattr(_core.WorkerChannel, "_test_hook"):
+            _core.WorkerChannel._test_hook("name_tokens", [])
         remove(names)
 
 
