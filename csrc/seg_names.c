@@ -79,7 +79,7 @@ fl_seg_create_unique(const char *prefix, char kind, uint64_t id, size_t size, in
         uint64_t token;
         code = random_token(&token, err);
         if (code != FL_OK)
-            return code;
+            break;
         fl_seg_name(name_out, prefix, kind, id, token);
         code = fl_seg_create(name_out, size, reserve, fd_out, err);
         if (code == FL_OK) {
@@ -88,7 +88,8 @@ fl_seg_create_unique(const char *prefix, char kind, uint64_t id, size_t size, in
                 *err = errno;
                 close(*fd_out);
                 shm_unlink(name_out);
-                return FL_ERRNO;
+                code = FL_ERRNO;
+                break;
             }
             ident->token = token;
             ident->dev = (uint64_t)sb.st_dev;
@@ -96,8 +97,9 @@ fl_seg_create_unique(const char *prefix, char kind, uint64_t id, size_t size, in
             return FL_OK;
         }
         if (!(code == FL_ERRNO && *err == EEXIST))
-            return code;
+            break;
     }
+    name_out[0] = '\0';   /* not ours: the caller must never unlink it */
     return code;
 }
 
