@@ -130,12 +130,12 @@ unlink_named(MainChannelObject *c)
 {
     if (c->strategy != FL_STRATEGY_FS)
         return;
-    /* the control block's name among them (by then a planted file could bear a
-     * name the worker unlinked: the sweep removes only our own files) */
-    c->ctl_name[0] = '\0';
-    /* Whatever the worker made and the main process did not open yet: results
+    /* Whatever the worker made and the main process did not open yet (results
      * still queued, an arena never announced, a segment of a worker killed while
-     * it made it. All of them, and only them, start with this channel's prefix. */
+     * it made it, the control block if the worker never attached) starts with
+     * this channel's prefix. The sweep removes only our own regular files: a name
+     * another user planted with our prefix stays theirs. */
+    c->ctl_name[0] = '\0';
     fl_seg_unlink_prefix(c->prefix);
 }
 
