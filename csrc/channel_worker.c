@@ -259,25 +259,23 @@ workerchan_get_task(WorkerChannelObject *w, PyObject *Py_UNUSED(ignored))
     }
 }
 
-/* Drop an arena the main process was never told of: its fd (never sent) or its
- * name (never to be opened). */
+/* The current arena is going away: its fd is closed, and if the main process was
+ * never told of it, its name (never to be opened) is removed. */
 static void
-forget_unannounced_arena(WorkerChannelObject *w)
+drop_arena_handles(WorkerChannelObject *w)
 {
-    if (w->arena == NULL || w->arena_announced)
-        return;
     if (w->arena_fd >= 0) {
         close(w->arena_fd);
         w->arena_fd = -1;
     }
-    if (w->strategy == FL_STRATEGY_FS && w->arena_name[0])
+    if (w->strategy == FL_STRATEGY_FS && w->arena_name[0] && !w->arena_announced)
         shm_unlink(w->arena_name);
     w->arena_name[0] = '\0';
 }
 
 /* Make (or replace) the arena so that a batch of `need` bytes fits a slot. The
  * main process learns of it with the first batch placed in it (the fd travels
- * then, see announce_arena), so nothing here can leave it a stray fd. */
+ * then, see send_seg_fd), so nothing here can leave it a stray fd. */
 static int
 new_arena(WorkerChannelObject *w, size_t need, int *err)
 {
@@ -321,14 +319,10 @@ new_arena(WorkerChannelObject *w, size_t need, int *err)
         goto fail;
     }
     /* nothing can fail from here on */
-    forget_unannounced_arena(w);
+    drop_arena_handles(w);
     if (w->arena)
         munmap(w->arena, w->arena_size);   /* the main process keeps its own mapping */
     PyMem_RawFree(w->busy);
-    if (fs) {
-        close(fd);
-        fd = -1;
-    }
     w->arena_fd = fd;
     snprintf(w->arena_name, sizeof(w->arena_name), "%s", name);
     w->arena_token = ident.token;
@@ -483,14 +477,12 @@ workerchan_publish(WorkerChannelObject *w, PyObject *args)
         r.token = w->arena_token;
         r.dev = w->arena_dev;
         r.ino = w->arena_ino;
-        if (!w->arena_announced && w->arena_fd >= 0) {
+        if (!w->arena_announced && w->strategy == FL_STRATEGY_FD) {
             code = send_seg_fd(w, w->arena_fd, w->arena_seg, w->arena_size, &err);
             if (code != FL_OK) {
                 fl_raise(code, err, "sending a ring arena");
                 goto done;
             }
-            close(w->arena_fd);
-            w->arena_fd = -1;
         }
     }
     else {
@@ -565,7 +557,7 @@ workerchan_stats(WorkerChannelObject *w, PyObject *Py_UNUSED(ignored))
 static PyObject *
 workerchan_cleanup(WorkerChannelObject *w, PyObject *Py_UNUSED(ignored))
 {
-    forget_unannounced_arena(w);
+    drop_arena_handles(w);
     if (main_gone(w))
         fl_worker_unlink_pending();
     Py_RETURN_NONE;

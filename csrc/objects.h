@@ -71,7 +71,8 @@ typedef struct {
     uint32_t gen;
     uint64_t arena_seg;
     uint64_t arena_token, arena_dev, arena_ino;
-    int arena_fd;            /* file_descriptor: sent with the arena's first batch */
+    int arena_fd;            /* open while the arena is current; file_descriptor:
+                                sent with the arena's first batch */
     int arena_announced;     /* the main process was told of the current arena */
     char arena_name[FL_NAME_MAX];   /* file_system: unlinked if never announced */
     uint8_t *busy;
