@@ -50,6 +50,7 @@ workerchan_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     WorkerChannelObject *w = (WorkerChannelObject *)type->tp_alloc(type, 0);
     if (w == NULL)
         return NULL;
+    w->arena_fd = -1;
     w->efd_main = efd_main;
     w->efd_worker = efd_worker;
     w->sock = sock;
@@ -104,7 +105,10 @@ workerchan_dealloc(WorkerChannelObject *w)
     PyTypeObject *tp = Py_TYPE(w);
     if (w->arena)
         munmap(w->arena, w->arena_size);
+    if (w->arena_fd >= 0)
+        close(w->arena_fd);
     PyMem_RawFree(w->busy);
+    PyMem_RawFree(w->reserved);
     if (w->ctl) {
         fl_worker_disarm(w->ctl);
         munmap(w->ctl, w->ctl_size);
@@ -246,7 +250,10 @@ workerchan_get_task(WorkerChannelObject *w, PyObject *Py_UNUSED(ignored))
     }
 }
 
-/* Make (or replace) the arena so that a batch of `need` bytes fits a slot. */
+/* Make (or replace) the arena so that a batch of `need` bytes fits a slot.
+ * Only its size is set here: no slot is reserved until a batch needs it
+ * (reserve_slot), so the memory an arena takes is what was in flight at once,
+ * not slots x slot size. */
 static int
 new_arena(WorkerChannelObject *w, size_t need, int *err)
 {
@@ -258,50 +265,89 @@ new_arena(WorkerChannelObject *w, size_t need, int *err)
         nslots--;
     size_t size = slot * nslots;
     int fs = w->strategy == FL_STRATEGY_FS;
+    uint8_t *busy = PyMem_RawCalloc(nslots, 1);
+    size_t *reserved = PyMem_RawCalloc(nslots, sizeof(size_t));
+    if (busy == NULL || reserved == NULL) {
+        PyMem_RawFree(busy);
+        PyMem_RawFree(reserved);
+        return FL_NOMEM;
+    }
     if (fs && fl_worker_begin_create() < 0) {
+        PyMem_RawFree(busy);
+        PyMem_RawFree(reserved);
         *err = ESRCH;   /* the main process is gone */
         return FL_ERRNO;
     }
     uint64_t id = atomic_fetch_add(&w->ctl->next_seg_id, 1);
     char name[FL_NAME_MAX];
     int fd = -1, code;
+    void *addr = NULL;
     if (fs)
         fl_seg_name(name, w->prefix, id);
-    code = fl_seg_create(fs ? name : NULL, size, 1, &fd, err);
+    code = fl_seg_create(fs ? name : NULL, size, 0, &fd, err);
     if (fs)
         fl_worker_end_create();
     if (code != FL_OK)
-        return code;
-    void *addr;
+        goto fail;
     code = fl_seg_map(fd, size, &addr, err);
-    if (code == FL_OK && w->strategy == FL_STRATEGY_FD) {
+    if (code != FL_OK)
+        goto fail;
+    if (w->strategy == FL_STRATEGY_FD) {
         fl_fdmsg m = {id, size};
         code = fl_send_fd(w->sock, fd, &m, sizeof(m), err);
         if (code != FL_OK)
-            munmap(addr, size);
-    }
-    close(fd);
-    if (code != FL_OK) {
-        if (w->strategy == FL_STRATEGY_FS)
-            shm_unlink(name);
-        return code;
-    }
-    uint8_t *busy = PyMem_RawCalloc(nslots, 1);
-    if (busy == NULL) {
-        munmap(addr, size);
-        return FL_NOMEM;
+            goto fail;
     }
     if (w->arena)
         munmap(w->arena, w->arena_size);   /* the main process keeps its own mapping */
+    if (w->arena_fd >= 0)
+        close(w->arena_fd);
     PyMem_RawFree(w->busy);
+    PyMem_RawFree(w->reserved);
     w->busy = busy;
+    w->reserved = reserved;
     w->arena = addr;
+    w->arena_fd = fd;
     w->arena_size = size;
     w->slot_size = slot;
     w->nslots = nslots;
     w->arena_seg = id;
     w->gen++;
     w->n_arenas++;
+    atomic_store(&w->ctl->arena_bytes, size);
+    atomic_store(&w->ctl->arena_reserved, 0);
+    return FL_OK;
+fail:
+    if (addr != NULL)
+        munmap(addr, size);
+    if (fd >= 0) {
+        close(fd);
+        if (fs)
+            shm_unlink(name);
+    }
+    PyMem_RawFree(busy);
+    PyMem_RawFree(reserved);
+    return code;
+}
+
+/* Reserve the pages of slot `slot` that a batch of `need` bytes will write, so
+ * that a full /dev/shm is an error here (the batch then goes to an overflow
+ * segment, whose own failure is the MemoryError the user sees), never a SIGBUS
+ * while encoding. A slot keeps what it reserved for the next batches. */
+static int
+reserve_slot(WorkerChannelObject *w, uint32_t slot, size_t need, int *err)
+{
+    size_t want = FL_ALIGN_UP(need, 4096);
+    if (want > w->slot_size)
+        want = w->slot_size;
+    size_t have = w->reserved[slot];
+    if (want <= have)
+        return FL_OK;
+    int code = fl_seg_reserve(w->arena_fd, (size_t)slot * w->slot_size + have, want - have, err);
+    if (code != FL_OK)
+        return code;
+    w->reserved[slot] = want;
+    atomic_fetch_add(&w->ctl->arena_reserved, want - have);
     return FL_OK;
 }
 
@@ -402,6 +448,9 @@ workerchan_publish(WorkerChannelObject *w, PyObject *args)
                 break;
             }
     }
+    /* a slot whose pages cannot be reserved: this batch overflows */
+    if (slot != UINT32_MAX && reserve_slot(w, slot, need, &err) != FL_OK)
+        slot = UINT32_MAX;
     if (slot != UINT32_MAX) {
         if (fl_plan_write(st, plan, w->arena + (size_t)slot * w->slot_size, w->slot_size) < 0)
             goto done;
@@ -465,11 +514,13 @@ done:
 static PyObject *
 workerchan_stats(WorkerChannelObject *w, PyObject *Py_UNUSED(ignored))
 {
-    return Py_BuildValue("{s:K,s:K,s:K,s:n,s:I}", "published",
+    return Py_BuildValue("{s:K,s:K,s:K,s:n,s:I,s:n,s:K}", "published",
                          (unsigned long long)w->n_published, "overflow",
                          (unsigned long long)w->n_overflow, "arenas",
                          (unsigned long long)w->n_arenas, "slot_size",
-                         (Py_ssize_t)w->slot_size, "slots", w->nslots);
+                         (Py_ssize_t)w->slot_size, "slots", w->nslots, "arena_bytes",
+                         (Py_ssize_t)w->arena_size, "arena_reserved_bytes",
+                         (unsigned long long)atomic_load(&w->ctl->arena_reserved));
 }
 
 static PyObject *
