@@ -68,7 +68,7 @@ workerchan_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     if (w->strategy == FL_STRATEGY_FS) {
         code = fl_seg_open(ctl_name, &ctl_fd, &err);
         if (code != FL_OK) {
-            fl_raise(code, err, "opening the control block");
+            fl_raise_path(code, err, "opening the control block", ctl_name);
             goto fail_py;
         }
     }

@@ -26,7 +26,7 @@ def run_scenario(name, strategy):
     """Run tests/shm_limits_child.py in its own process (its own mount namespace with
     a 4 MiB /dev/shm); returns the JSON line it printed."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [os.path.join(ROOT, "python"), ROOT, os.environ.get("PYTHONPATH", "")]))
+        [p for p in (os.environ.get("PYTHONPATH"), os.path.join(ROOT, "python"), ROOT) if p]))
     proc = subprocess.run([sys.executable, "-m", "tests.shm_limits_child", name, strategy],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     if proc.returncode == 77:
