@@ -191,7 +191,8 @@ def test_later_fork_inherits_no_arena_of_an_earlier_loader(strategy):
 
 
 def _sum_in_child(batch, conn):
-    conn.send(float(batch.sum()))
+    # numpy, not torch: torch's intra-op thread pool is not usable after a fork
+    conn.send(float(batch.numpy().sum(dtype="float64")))
     conn.close()
 
 
