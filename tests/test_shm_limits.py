@@ -167,8 +167,21 @@ class Values(torch.utils.data.Dataset):
         return torch.full((self.size // 4,), float(i))
 
 
+def shared_inodes(pid="self"):
+    """Inodes of the fastloader segments (memfd or /dev/shm) `pid` maps."""
+    found = set()
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            path = parts[5] if len(parts) > 5 else ""
+            if path.startswith(("/memfd:fastloader ", "/dev/shm/fastloader-")):
+                found.add(int(parts[4]))
+    return found
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_later_fork_inherits_no_arena_of_an_earlier_loader(strategy):
+    before = shared_inodes()
     a = DataLoader(Values(), batch_size=None, num_workers=1, persistent_workers=True,
                    sharing_strategy=strategy, multiprocessing_context="fork")
     it_a = iter(a)
@@ -178,6 +191,9 @@ def test_later_fork_inherits_no_arena_of_an_earlier_loader(strategy):
     gc.collect()
     inodes = [vma_of(addr)[2] for addr, _ in it_a.segments()]
     assert inodes and all(inodes)
+    # every segment of loader A mapped here: its arena and its control block
+    a_segments = shared_inodes() - before
+    assert set(inodes) < a_segments
     b = DataLoader(Values(), batch_size=None, num_workers=2, persistent_workers=True,
                    sharing_strategy=strategy, multiprocessing_context="fork")
     it_b = iter(b)
@@ -187,6 +203,8 @@ def test_later_fork_inherits_no_arena_of_an_earlier_loader(strategy):
             entries, nbytes = maps_of_inode(pid, inode)
             assert entries == 0, (f"worker {pid} of a later loader maps {nbytes} bytes of "
                                   f"the earlier loader's arena")
+        assert not shared_inodes(pid) & a_segments, \
+            f"worker {pid} of a later loader maps a segment of the earlier loader"
     # the earlier loader gone, nothing keeps its arena mapped
     del it_a, a
     gc.collect()
