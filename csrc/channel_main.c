@@ -78,23 +78,34 @@ mainchan_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     res_cap = (uint32_t)next_pow2(res_cap < 8 ? 8 : res_cap);
     uint32_t free_cap = 4096;
     c->ctl_size = fl_ctl_layout(task_cap, res_cap, free_cap);
+    /* every page reserved now: a full /dev/shm is a MemoryError here, not a SIGBUS
+     * when the rings are first written */
+    char ctl_what[96];
+    snprintf(ctl_what, sizeof(ctl_what), "creating a %zu-byte control block", c->ctl_size);
+    what = ctl_what;
+    if (fl_fork_guard_install() < 0)
+        goto fail_py;
     if (strategy == FL_STRATEGY_FS) {
-        fl_seg_ident ident;
-        code = fl_seg_create_unique(c->prefix, 'c', 0, c->ctl_size, 0, c->ctl_name, &ident,
+        fl_seg_ident ident = {0, 0, 0};
+        code = fl_seg_create_unique(c->prefix, 'c', 0, c->ctl_size, 1, c->ctl_name, &ident,
                                     &c->ctl_fd, &err);
         c->ctl_dev = ident.dev;
         c->ctl_ino = ident.ino;
     }
     else {
-        code = fl_seg_create(NULL, c->ctl_size, 0, &c->ctl_fd, &err);
+        code = fl_seg_create(NULL, c->ctl_size, 1, &c->ctl_fd, &err);
     }
-    if (code != FL_OK)
-        goto fail;
+    if (code != FL_OK) {
+        fl_raise_path(code, err, what, c->ctl_name[0] ? c->ctl_name : NULL);
+        c->ctl_name[0] = '\0';   /* not ours (EEXIST) or already removed: never unlink it */
+        goto fail_py;
+    }
     void *addr;
     code = fl_seg_map(c->ctl_fd, c->ctl_size, &addr, &err);
     if (code != FL_OK)
         goto fail;
     c->ctl = addr;
+    fl_seg_dontfork(addr, c->ctl_size);   /* workers map it themselves */
     fl_ctl_init(c->ctl, (uint32_t)wid, task_cap, res_cap, free_cap);
     if (strategy == FL_STRATEGY_FS)
         close_fd(&c->ctl_fd);   /* the worker opens it by name */
@@ -121,6 +132,7 @@ mainchan_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     return (PyObject *)c;
 fail:
     fl_raise(code, err, what);
+fail_py:
     Py_DECREF(c);
     return NULL;
 }
@@ -393,7 +405,8 @@ take_result(fl_state *st, MainChannelObject *c, const fl_result *r)
             code = map_segment(c, r, size, &addr, &err, what, sizeof(what));
             if (code != FL_OK)
                 return fl_raise(code, err, what);
-            SegmentObject *seg = fl_segment_new(st, addr, size);
+            SegmentObject *seg =
+                fl_segment_new_batch(st, addr, size, r->nslots, (size_t)r->slot_size);
             if (seg == NULL)
                 return NULL;
             Py_XSETREF(c->arena, seg);
@@ -412,6 +425,7 @@ take_result(fl_state *st, MainChannelObject *c, const fl_result *r)
         o->chan = (MainChannelObject *)Py_NewRef(c);
         o->gen = r->gen;
         o->slot = r->slot;
+        fl_segment_hold(o->seg, r->slot);
         o->pid = getpid();
         PyObject_GC_Track(o);
         owner_obj = (PyObject *)o;
@@ -427,7 +441,7 @@ take_result(fl_state *st, MainChannelObject *c, const fl_result *r)
         code = map_segment(c, r, size, &addr, &err, what, sizeof(what));
         if (code != FL_OK)
             return fl_raise(code, err, what);
-        SegmentObject *seg = fl_segment_new(st, addr, size);
+        SegmentObject *seg = fl_segment_new_batch(st, addr, size, 1, size);
         if (seg == NULL)
             return NULL;
         OwnerObject *o = PyObject_GC_New(OwnerObject, st->OwnerType);
@@ -439,6 +453,7 @@ take_result(fl_state *st, MainChannelObject *c, const fl_result *r)
         o->chan = NULL;
         o->gen = 0;
         o->slot = UINT32_MAX;
+        fl_segment_hold(seg, 0);
         o->pid = getpid();
         PyObject_GC_Track(o);
         owner_obj = (PyObject *)o;
@@ -619,15 +634,20 @@ fl_decode_bytes(PyObject *module, PyObject *arg)
 static PyObject *
 mainchan_stats(MainChannelObject *c, PyObject *Py_UNUSED(ignored))
 {
-    uint64_t busy = 0, idle = 0, published = 0, overflowed = 0;
-    if (c->ctl != NULL) {
+    uint64_t busy = 0, idle = 0, published = 0, overflowed = 0, a_bytes = 0, a_resv = 0;
+    /* a forked child does not have the control block mapped (MADV_DONTFORK) */
+    if (c->ctl != NULL && c->owner_pid == getpid()) {
         busy = atomic_load(&c->ctl->busy_ns);
         idle = atomic_load(&c->ctl->idle_ns);
         published = atomic_load(&c->ctl->published);
         overflowed = atomic_load(&c->ctl->overflowed);
+        a_bytes = atomic_load(&c->ctl->arena_bytes);
+        a_resv = atomic_load(&c->ctl->arena_reserved);
     }
     return Py_BuildValue(
-        "{s:K,s:K,s:K,s:K,s:I,s:K,s:K,s:d,s:d,s:K,s:K}", "received",
+        "{s:K,s:K,s:K,s:K,s:K,s:K,s:I,s:K,s:K,s:d,s:d,s:K,s:K}", "arena_bytes",
+        (unsigned long long)a_bytes, "arena_reserved_bytes", (unsigned long long)a_resv,
+        "received",
         (unsigned long long)c->n_batches, "received_in_slots", (unsigned long long)c->n_slot,
         "received_in_overflow", (unsigned long long)c->n_overflow, "arenas",
         (unsigned long long)c->n_arenas, "slots", c->arena_nslots, "slot_size",
@@ -676,7 +696,7 @@ mainchan_get_closed(MainChannelObject *c, void *Py_UNUSED(closure))
 static PyObject *
 mainchan_pending(MainChannelObject *c, PyObject *Py_UNUSED(ignored))
 {
-    return PyBool_FromLong(c->ctl != NULL && !fl_res_empty(c->ctl));
+    return PyBool_FromLong(c->ctl != NULL && c->owner_pid == getpid() && !fl_res_empty(c->ctl));
 }
 
 static PyGetSetDef mainchan_getset[] = {

@@ -76,9 +76,9 @@ workerchan_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         code = fl_seg_open_verified(ctl_name, &ctl_ident, w->ctl_size, &ctl_fd, &err, why,
                                     sizeof(why));
         if (code != FL_OK) {
-            snprintf(what, sizeof(what), "opening the control block %s%s%s%s", FL_SHM_DIR,
-                     ctl_name, why[0] ? ": refused, " : "", why);
-            fl_raise(code, err, what);
+            snprintf(what, sizeof(what), "opening the control block %s%s: refused, %s",
+                     FL_SHM_DIR, ctl_name, why);
+            fl_raise_path(code, err, why[0] ? what : "opening the control block", ctl_name);
             goto fail_py;
         }
     }
@@ -118,6 +118,7 @@ workerchan_dealloc(WorkerChannelObject *w)
     if (w->arena_fd >= 0)
         close(w->arena_fd);
     PyMem_RawFree(w->busy);
+    PyMem_RawFree(w->reserved);
     if (w->ctl) {
         fl_worker_disarm(w->ctl);
         munmap(w->ctl, w->ctl_size);
@@ -273,9 +274,12 @@ drop_arena_handles(WorkerChannelObject *w)
     w->arena_name[0] = '\0';
 }
 
-/* Make (or replace) the arena so that a batch of `need` bytes fits a slot. The
- * main process learns of it with the first batch placed in it (the fd travels
- * then, see send_seg_fd), so nothing here can leave it a stray fd. */
+/* Make (or replace) the arena so that a batch of `need` bytes fits a slot.
+ * Only its size is set here: no slot is reserved until a batch needs it
+ * (reserve_slot), so the memory an arena takes is what was in flight at once,
+ * not slots x slot size. The main process learns of it with the first batch
+ * placed in it (the fd travels then, see send_seg_fd), so nothing here can leave
+ * it a stray fd. */
 static int
 new_arena(WorkerChannelObject *w, size_t need, int *err)
 {
@@ -287,7 +291,16 @@ new_arena(WorkerChannelObject *w, size_t need, int *err)
         nslots--;
     size_t size = slot * nslots;
     int fs = w->strategy == FL_STRATEGY_FS;
+    uint8_t *busy = PyMem_RawCalloc(nslots, 1);
+    size_t *reserved = PyMem_RawCalloc(nslots, sizeof(size_t));
+    if (busy == NULL || reserved == NULL) {
+        PyMem_RawFree(busy);
+        PyMem_RawFree(reserved);
+        return FL_NOMEM;
+    }
     if (fs && fl_worker_begin_create() < 0) {
+        PyMem_RawFree(busy);
+        PyMem_RawFree(reserved);
         *err = ESRCH;   /* the main process is gone */
         return FL_ERRNO;
     }
@@ -296,55 +309,77 @@ new_arena(WorkerChannelObject *w, size_t need, int *err)
     fl_seg_ident ident = {0, 0, 0};
     int fd = -1, code;
     void *addr = NULL;
-    uint8_t *busy = NULL;
     if (fs)
-        code = fl_seg_create_unique(w->prefix, 's', id, size, 1, name, &ident, &fd, err);
+        code = fl_seg_create_unique(w->prefix, 's', id, size, 0, name, &ident, &fd, err);
     else
-        code = fl_seg_create(NULL, size, 1, &fd, err);
+        code = fl_seg_create(NULL, size, 0, &fd, err);
     if (fs)
         fl_worker_end_create();
     if (code != FL_OK)
-        return code;
+        goto fail;
     code = fl_seg_map(fd, size, &addr, err);
+    if (code == FL_OK && fl_test_fail_arena_setup > 0) {   /* test seam: the last step fails */
+        fl_test_fail_arena_setup--;
+        code = FL_NOMEM;
+    }
     if (code != FL_OK)
         goto fail;
-    busy = PyMem_RawCalloc(nslots, 1);
-    if (fl_test_fail_arena_setup > 0) {   /* test seam: this last step fails */
-        fl_test_fail_arena_setup--;
-        PyMem_RawFree(busy);
-        busy = NULL;
-    }
-    if (busy == NULL) {
-        code = FL_NOMEM;
-        goto fail;
-    }
     /* nothing can fail from here on */
     drop_arena_handles(w);
     if (w->arena)
         munmap(w->arena, w->arena_size);   /* the main process keeps its own mapping */
     PyMem_RawFree(w->busy);
+    PyMem_RawFree(w->reserved);
+    w->busy = busy;
+    w->reserved = reserved;
+    w->arena = addr;
     w->arena_fd = fd;
     snprintf(w->arena_name, sizeof(w->arena_name), "%s", name);
     w->arena_token = ident.token;
     w->arena_dev = ident.dev;
     w->arena_ino = ident.ino;
     w->arena_announced = 0;
-    w->busy = busy;
-    w->arena = addr;
     w->arena_size = size;
     w->slot_size = slot;
     w->nslots = nslots;
     w->arena_seg = id;
     w->gen++;
     w->n_arenas++;
+    atomic_store(&w->ctl->arena_bytes, size);
+    atomic_store(&w->ctl->arena_reserved, 0);
     return FL_OK;
 fail:
     if (addr != NULL)
         munmap(addr, size);
-    close(fd);
-    if (fs)
-        shm_unlink(name);
+    if (fd >= 0) {
+        close(fd);
+        if (fs && name[0])
+            shm_unlink(name);
+    }
+    PyMem_RawFree(busy);
+    PyMem_RawFree(reserved);
     return code;
+}
+
+/* Reserve the pages of slot `slot` that a batch of `need` bytes will write, so
+ * that a full /dev/shm is an error here (the batch then goes to an overflow
+ * segment, whose own failure is the MemoryError the user sees), never a SIGBUS
+ * while encoding. A slot keeps what it reserved for the next batches. */
+static int
+reserve_slot(WorkerChannelObject *w, uint32_t slot, size_t need, int *err)
+{
+    size_t want = FL_ALIGN_UP(need, 4096);
+    if (want > w->slot_size)
+        want = w->slot_size;
+    size_t have = w->reserved[slot];
+    if (want <= have)
+        return FL_OK;
+    int code = fl_seg_reserve(w->arena_fd, (size_t)slot * w->slot_size + have, want - have, err);
+    if (code != FL_OK)
+        return code;
+    w->reserved[slot] = want;
+    atomic_fetch_add(&w->ctl->arena_reserved, want - have);
+    return FL_OK;
 }
 
 static int
@@ -465,6 +500,9 @@ workerchan_publish(WorkerChannelObject *w, PyObject *args)
                 break;
             }
     }
+    /* a slot whose pages cannot be reserved: this batch overflows */
+    if (slot != UINT32_MAX && reserve_slot(w, slot, need, &err) != FL_OK)
+        slot = UINT32_MAX;
     if (slot != UINT32_MAX) {
         if (fl_plan_write(st, plan, w->arena + (size_t)slot * w->slot_size, w->slot_size) < 0)
             goto done;
@@ -544,11 +582,13 @@ done:
 static PyObject *
 workerchan_stats(WorkerChannelObject *w, PyObject *Py_UNUSED(ignored))
 {
-    return Py_BuildValue("{s:K,s:K,s:K,s:n,s:I}", "published",
+    return Py_BuildValue("{s:K,s:K,s:K,s:n,s:I,s:n,s:K}", "published",
                          (unsigned long long)w->n_published, "overflow",
                          (unsigned long long)w->n_overflow, "arenas",
                          (unsigned long long)w->n_arenas, "slot_size",
-                         (Py_ssize_t)w->slot_size, "slots", w->nslots);
+                         (Py_ssize_t)w->slot_size, "slots", w->nslots, "arena_bytes",
+                         (Py_ssize_t)w->arena_size, "arena_reserved_bytes",
+                         (unsigned long long)atomic_load(&w->ctl->arena_reserved));
 }
 
 /* The worker leaves its loop, whichever way. Results it published stay: the main

@@ -85,6 +85,10 @@ typedef struct {
     _Atomic uint64_t idle_ns;                      /* waiting for a task */
     _Atomic uint64_t published;
     _Atomic uint64_t overflowed;
+    /* the worker's current arena: its size, and the bytes of it reserved so far
+     * (slots are reserved as batches first need them, see channel_worker.c) */
+    _Atomic uint64_t arena_bytes;
+    _Atomic uint64_t arena_reserved;
 } fl_ctl;
 
 size_t fl_ctl_layout(uint64_t task_cap, uint32_t res_cap, uint32_t free_cap);
