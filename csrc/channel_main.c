@@ -9,6 +9,7 @@
 #include "objects.h"
 #include "codec.h"
 #include "pool.h"
+#include "seg_names.h"
 #include "shm.h"
 #include <errno.h>
 #include <fcntl.h>
@@ -77,20 +78,34 @@ mainchan_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     res_cap = (uint32_t)next_pow2(res_cap < 8 ? 8 : res_cap);
     uint32_t free_cap = 4096;
     c->ctl_size = fl_ctl_layout(task_cap, res_cap, free_cap);
+    /* every page reserved now: a full /dev/shm is a MemoryError here, not a SIGBUS
+     * when the rings are first written */
+    char ctl_what[96];
+    snprintf(ctl_what, sizeof(ctl_what), "creating a %zu-byte control block", c->ctl_size);
+    what = ctl_what;
+    if (fl_fork_guard_install() < 0)
+        goto fail_py;
     if (strategy == FL_STRATEGY_FS) {
-        snprintf(c->ctl_name, sizeof(c->ctl_name), "/%s-ctl", c->prefix);
-        code = fl_seg_create(c->ctl_name, c->ctl_size, 0, &c->ctl_fd, &err);
+        fl_seg_ident ident = {0, 0, 0};
+        code = fl_seg_create_unique(c->prefix, 'c', 0, c->ctl_size, 1, c->ctl_name, &ident,
+                                    &c->ctl_fd, &err);
+        c->ctl_dev = ident.dev;
+        c->ctl_ino = ident.ino;
     }
     else {
-        code = fl_seg_create(NULL, c->ctl_size, 0, &c->ctl_fd, &err);
+        code = fl_seg_create(NULL, c->ctl_size, 1, &c->ctl_fd, &err);
     }
-    if (code != FL_OK)
-        goto fail;
+    if (code != FL_OK) {
+        fl_raise_path(code, err, what, c->ctl_name[0] ? c->ctl_name : NULL);
+        c->ctl_name[0] = '\0';   /* not ours (EEXIST) or already removed: never unlink it */
+        goto fail_py;
+    }
     void *addr;
     code = fl_seg_map(c->ctl_fd, c->ctl_size, &addr, &err);
     if (code != FL_OK)
         goto fail;
     c->ctl = addr;
+    fl_seg_dontfork(addr, c->ctl_size);   /* workers map it themselves */
     fl_ctl_init(c->ctl, (uint32_t)wid, task_cap, res_cap, free_cap);
     if (strategy == FL_STRATEGY_FS)
         close_fd(&c->ctl_fd);   /* the worker opens it by name */
@@ -117,6 +132,7 @@ mainchan_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     return (PyObject *)c;
 fail:
     fl_raise(code, err, what);
+fail_py:
     Py_DECREF(c);
     return NULL;
 }
@@ -126,20 +142,13 @@ unlink_named(MainChannelObject *c)
 {
     if (c->strategy != FL_STRATEGY_FS)
         return;
-    if (c->ctl_name[0]) {
-        shm_unlink(c->ctl_name);
-        c->ctl_name[0] = '\0';
-    }
-    if (c->ctl != NULL) {
-        char name[FL_NAME_MAX];
-        uint64_t lo = atomic_load(&c->ctl->unlinked_upto);
-        uint64_t hi = atomic_load(&c->ctl->next_seg_id);
-        for (uint64_t id = lo; id < hi && hi - id < (1u << 20); id++) {
-            fl_seg_name(name, c->prefix, id);
-            shm_unlink(name);
-        }
-        atomic_store(&c->ctl->unlinked_upto, hi);
-    }
+    /* Whatever the worker made and the main process did not open yet (results
+     * still queued, an arena never announced, a segment of a worker killed while
+     * it made it, the control block if the worker never attached) starts with
+     * this channel's prefix. The sweep removes only our own regular files: a name
+     * another user planted with our prefix stays theirs. */
+    c->ctl_name[0] = '\0';
+    fl_seg_unlink_prefix(c->prefix);
 }
 
 /* Close every fd and remove named segments; the control block stays mapped until
@@ -193,12 +202,13 @@ mainchan_handle(MainChannelObject *c, PyObject *Py_UNUSED(ignored))
 {
     if (c->closed)
         return PyErr_Format(PyExc_ValueError, "fastloader: channel is closed");
-    return Py_BuildValue("{s:i,s:i,s:i,s:n,s:s,s:s,s:i,s:i,s:i,s:i}", "worker_id",
+    return Py_BuildValue("{s:i,s:i,s:i,s:n,s:s,s:K,s:K,s:s,s:i,s:i,s:i,s:i}", "worker_id",
                          c->worker_id, "strategy", c->strategy, "ctl_fd", c->ctl_fd,
                          "ctl_size", (Py_ssize_t)c->ctl_size, "ctl_name", c->ctl_name,
-                         "prefix", c->prefix, "efd_main", c->efd_main, "efd_worker",
-                         c->efd_worker, "sock", c->sock_worker, "main_pid",
-                         (int)c->owner_pid);
+                         "ctl_dev", (unsigned long long)c->ctl_dev, "ctl_ino",
+                         (unsigned long long)c->ctl_ino, "prefix", c->prefix, "efd_main",
+                         c->efd_main, "efd_worker", c->efd_worker, "sock", c->sock_worker,
+                         "main_pid", (int)c->owner_pid);
 }
 
 PyDoc_STRVAR(mainchan_started_doc,
@@ -335,8 +345,12 @@ mainchan_put_task(MainChannelObject *c, PyObject *args)
 
 /* ---- receiving ---- */
 
+/* Map the segment a result announces. Under file_system the name is opened only to
+ * find the very file the worker made: anything else (planted by another user, a
+ * link, the wrong inode) is refused before a byte of it is read, and `what` names it. */
 static int
-map_segment(MainChannelObject *c, uint64_t seg_id, uint64_t size, void **addr, int *err)
+map_segment(MainChannelObject *c, const fl_result *r, uint64_t size, void **addr, int *err,
+            char *what, size_t what_len)
 {
     int fd = -1, code;
     if (c->strategy == FL_STRATEGY_FD) {
@@ -344,26 +358,28 @@ map_segment(MainChannelObject *c, uint64_t seg_id, uint64_t size, void **addr, i
         code = fl_recv_fd(c->sock_main, &fd, &m, sizeof(m), err);
         if (code != FL_OK)
             return code;
-        if (m.seg_id != seg_id || m.size != size) {
+        if (m.seg_id != r->seg || m.size != size) {
+            close(fd);
+            return FL_CORRUPT;
+        }
+        struct stat sb;
+        if (fstat(fd, &sb) < 0 || (uint64_t)sb.st_size < size) {
             close(fd);
             return FL_CORRUPT;
         }
     }
     else {
-        char name[FL_NAME_MAX];
-        fl_seg_name(name, c->prefix, seg_id);
-        code = fl_seg_open(name, &fd, err);
-        if (code != FL_OK)
+        char name[FL_NAME_MAX], why[128];
+        fl_seg_ident ident = {r->token, r->dev, r->ino};
+        fl_seg_name(name, c->prefix, 's', r->seg, r->token);
+        code = fl_seg_open_verified(name, &ident, size, &fd, err, why, sizeof(why));
+        if (code != FL_OK) {
+            size_t n = strlen(what);
+            snprintf(what + n, what_len - n, " %s%s%s%s", FL_SHM_DIR, name,
+                     why[0] ? ": refused, " : "", why);
             return code;
+        }
         shm_unlink(name);   /* both sides have it now: the name is no longer needed */
-        uint64_t upto = atomic_load(&c->ctl->unlinked_upto);
-        if (seg_id + 1 > upto)
-            atomic_store(&c->ctl->unlinked_upto, seg_id + 1);
-    }
-    struct stat sb;
-    if (fstat(fd, &sb) < 0 || (uint64_t)sb.st_size < size) {
-        close(fd);
-        return FL_CORRUPT;
     }
     code = fl_seg_map(fd, size, addr, err);
     close(fd);   /* the mapping keeps the memory; holding fds would exhaust ulimit -n */
@@ -385,10 +401,12 @@ take_result(fl_state *st, MainChannelObject *c, const fl_result *r)
             uint64_t size = r->slot_size * r->nslots;
             if (r->nslots == 0 || size / r->nslots != r->slot_size)
                 return fl_raise(FL_CORRUPT, 0, "receiving a ring arena");
-            code = map_segment(c, r->seg, size, &addr, &err);
+            char what[FL_NAME_MAX + 200] = "mapping a worker's ring arena";
+            code = map_segment(c, r, size, &addr, &err, what, sizeof(what));
             if (code != FL_OK)
-                return fl_raise(code, err, "mapping a worker's ring arena");
-            SegmentObject *seg = fl_segment_new(st, addr, size);
+                return fl_raise(code, err, what);
+            SegmentObject *seg =
+                fl_segment_new_batch(st, addr, size, r->nslots, (size_t)r->slot_size);
             if (seg == NULL)
                 return NULL;
             Py_XSETREF(c->arena, seg);
@@ -407,6 +425,7 @@ take_result(fl_state *st, MainChannelObject *c, const fl_result *r)
         o->chan = (MainChannelObject *)Py_NewRef(c);
         o->gen = r->gen;
         o->slot = r->slot;
+        fl_segment_hold(o->seg, r->slot);
         o->pid = getpid();
         PyObject_GC_Track(o);
         owner_obj = (PyObject *)o;
@@ -418,10 +437,11 @@ take_result(fl_state *st, MainChannelObject *c, const fl_result *r)
     else if (r->where == FL_WHERE_OVERFLOW) {
         void *addr;
         uint64_t size = FL_ALIGN_UP(r->nbytes, 4096);
-        code = map_segment(c, r->seg, size, &addr, &err);
+        char what[FL_NAME_MAX + 200] = "mapping an overflow segment";
+        code = map_segment(c, r, size, &addr, &err, what, sizeof(what));
         if (code != FL_OK)
-            return fl_raise(code, err, "mapping an overflow segment");
-        SegmentObject *seg = fl_segment_new(st, addr, size);
+            return fl_raise(code, err, what);
+        SegmentObject *seg = fl_segment_new_batch(st, addr, size, 1, size);
         if (seg == NULL)
             return NULL;
         OwnerObject *o = PyObject_GC_New(OwnerObject, st->OwnerType);
@@ -433,6 +453,7 @@ take_result(fl_state *st, MainChannelObject *c, const fl_result *r)
         o->chan = NULL;
         o->gen = 0;
         o->slot = UINT32_MAX;
+        fl_segment_hold(seg, 0);
         o->pid = getpid();
         PyObject_GC_Track(o);
         owner_obj = (PyObject *)o;
@@ -613,15 +634,20 @@ fl_decode_bytes(PyObject *module, PyObject *arg)
 static PyObject *
 mainchan_stats(MainChannelObject *c, PyObject *Py_UNUSED(ignored))
 {
-    uint64_t busy = 0, idle = 0, published = 0, overflowed = 0;
-    if (c->ctl != NULL) {
+    uint64_t busy = 0, idle = 0, published = 0, overflowed = 0, a_bytes = 0, a_resv = 0;
+    /* a forked child does not have the control block mapped (MADV_DONTFORK) */
+    if (c->ctl != NULL && c->owner_pid == getpid()) {
         busy = atomic_load(&c->ctl->busy_ns);
         idle = atomic_load(&c->ctl->idle_ns);
         published = atomic_load(&c->ctl->published);
         overflowed = atomic_load(&c->ctl->overflowed);
+        a_bytes = atomic_load(&c->ctl->arena_bytes);
+        a_resv = atomic_load(&c->ctl->arena_reserved);
     }
     return Py_BuildValue(
-        "{s:K,s:K,s:K,s:K,s:I,s:K,s:K,s:d,s:d,s:K,s:K}", "received",
+        "{s:K,s:K,s:K,s:K,s:K,s:K,s:I,s:K,s:K,s:d,s:d,s:K,s:K}", "arena_bytes",
+        (unsigned long long)a_bytes, "arena_reserved_bytes", (unsigned long long)a_resv,
+        "received",
         (unsigned long long)c->n_batches, "received_in_slots", (unsigned long long)c->n_slot,
         "received_in_overflow", (unsigned long long)c->n_overflow, "arenas",
         (unsigned long long)c->n_arenas, "slots", c->arena_nslots, "slot_size",
@@ -670,7 +696,7 @@ mainchan_get_closed(MainChannelObject *c, void *Py_UNUSED(closure))
 static PyObject *
 mainchan_pending(MainChannelObject *c, PyObject *Py_UNUSED(ignored))
 {
-    return PyBool_FromLong(c->ctl != NULL && !fl_res_empty(c->ctl));
+    return PyBool_FromLong(c->ctl != NULL && c->owner_pid == getpid() && !fl_res_empty(c->ctl));
 }
 
 static PyGetSetDef mainchan_getset[] = {

@@ -10,11 +10,13 @@
 #include "objects.h"
 #include "codec.h"
 #include "pool.h"
+#include "seg_names.h"
 #include "shm.h"
 #include <errno.h>
 #include <poll.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -45,7 +47,9 @@ workerchan_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     PyObject *o_name = PyDict_GetItemString(h, "ctl_name");
     PyObject *o_prefix = PyDict_GetItemString(h, "prefix");
     PyObject *o_pid = PyDict_GetItemString(h, "main_pid");
-    if (!o_wid || !o_strat || !o_size || !o_name || !o_prefix || !o_pid)
+    PyObject *o_dev = PyDict_GetItemString(h, "ctl_dev");
+    PyObject *o_ino = PyDict_GetItemString(h, "ctl_ino");
+    if (!o_wid || !o_strat || !o_size || !o_name || !o_prefix || !o_pid || !o_dev || !o_ino)
         return PyErr_Format(PyExc_ValueError, "fastloader: incomplete channel handle");
     WorkerChannelObject *w = (WorkerChannelObject *)type->tp_alloc(type, 0);
     if (w == NULL)
@@ -54,20 +58,27 @@ workerchan_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     w->efd_worker = efd_worker;
     w->sock = sock;
     w->main_pidfd = -1;
+    w->arena_fd = -1;
     w->worker_id = (int)PyLong_AsLong(o_wid);
     w->strategy = (int)PyLong_AsLong(o_strat);
     w->ctl_size = (size_t)PyLong_AsSsize_t(o_size);
     w->main_pid = (pid_t)PyLong_AsLong(o_pid);
     w->nslots_target = nslots < 2 ? 2 : (nslots > 64 ? 64 : nslots);
+    fl_seg_ident ctl_ident = {0, PyLong_AsUnsignedLongLong(o_dev),
+                              PyLong_AsUnsignedLongLong(o_ino)};
     const char *prefix = PyUnicode_AsUTF8(o_prefix);
     const char *ctl_name = PyUnicode_AsUTF8(o_name);
     if (PyErr_Occurred() || prefix == NULL || ctl_name == NULL)
         goto fail_py;
     snprintf(w->prefix, sizeof(w->prefix), "%s", prefix);
     if (w->strategy == FL_STRATEGY_FS) {
-        code = fl_seg_open(ctl_name, &ctl_fd, &err);
+        char why[128], what[FL_NAME_MAX + 200];
+        code = fl_seg_open_verified(ctl_name, &ctl_ident, w->ctl_size, &ctl_fd, &err, why,
+                                    sizeof(why));
         if (code != FL_OK) {
-            fl_raise(code, err, "opening the control block");
+            snprintf(what, sizeof(what), "opening the control block %s%s: refused, %s",
+                     FL_SHM_DIR, ctl_name, why);
+            fl_raise_path(code, err, why[0] ? what : "opening the control block", ctl_name);
             goto fail_py;
         }
     }
@@ -104,7 +115,10 @@ workerchan_dealloc(WorkerChannelObject *w)
     PyTypeObject *tp = Py_TYPE(w);
     if (w->arena)
         munmap(w->arena, w->arena_size);
+    if (w->arena_fd >= 0)
+        close(w->arena_fd);
     PyMem_RawFree(w->busy);
+    PyMem_RawFree(w->reserved);
     if (w->ctl) {
         fl_worker_disarm(w->ctl);
         munmap(w->ctl, w->ctl_size);
@@ -246,7 +260,26 @@ workerchan_get_task(WorkerChannelObject *w, PyObject *Py_UNUSED(ignored))
     }
 }
 
-/* Make (or replace) the arena so that a batch of `need` bytes fits a slot. */
+/* The current arena is going away: its fd is closed, and if the main process was
+ * never told of it, its name (never to be opened) is removed. */
+static void
+drop_arena_handles(WorkerChannelObject *w)
+{
+    if (w->arena_fd >= 0) {
+        close(w->arena_fd);
+        w->arena_fd = -1;
+    }
+    if (w->strategy == FL_STRATEGY_FS && w->arena_name[0] && !w->arena_announced)
+        shm_unlink(w->arena_name);
+    w->arena_name[0] = '\0';
+}
+
+/* Make (or replace) the arena so that a batch of `need` bytes fits a slot.
+ * Only its size is set here: no slot is reserved until a batch needs it
+ * (reserve_slot), so the memory an arena takes is what was in flight at once,
+ * not slots x slot size. The main process learns of it with the first batch
+ * placed in it (the fd travels then, see send_seg_fd), so nothing here can leave
+ * it a stray fd. */
 static int
 new_arena(WorkerChannelObject *w, size_t need, int *err)
 {
@@ -258,58 +291,121 @@ new_arena(WorkerChannelObject *w, size_t need, int *err)
         nslots--;
     size_t size = slot * nslots;
     int fs = w->strategy == FL_STRATEGY_FS;
+    uint8_t *busy = PyMem_RawCalloc(nslots, 1);
+    size_t *reserved = PyMem_RawCalloc(nslots, sizeof(size_t));
+    if (busy == NULL || reserved == NULL) {
+        PyMem_RawFree(busy);
+        PyMem_RawFree(reserved);
+        return FL_NOMEM;
+    }
     if (fs && fl_worker_begin_create() < 0) {
+        PyMem_RawFree(busy);
+        PyMem_RawFree(reserved);
         *err = ESRCH;   /* the main process is gone */
         return FL_ERRNO;
     }
     uint64_t id = atomic_fetch_add(&w->ctl->next_seg_id, 1);
-    char name[FL_NAME_MAX];
+    char name[FL_NAME_MAX] = "";
+    fl_seg_ident ident = {0, 0, 0};
     int fd = -1, code;
+    void *addr = NULL;
     if (fs)
-        fl_seg_name(name, w->prefix, id);
-    code = fl_seg_create(fs ? name : NULL, size, 1, &fd, err);
+        code = fl_seg_create_unique(w->prefix, 's', id, size, 0, name, &ident, &fd, err);
+    else
+        code = fl_seg_create(NULL, size, 0, &fd, err);
     if (fs)
         fl_worker_end_create();
     if (code != FL_OK)
-        return code;
-    void *addr;
+        goto fail;
     code = fl_seg_map(fd, size, &addr, err);
-    if (code == FL_OK && w->strategy == FL_STRATEGY_FD) {
-        fl_fdmsg m = {id, size};
-        code = fl_send_fd(w->sock, fd, &m, sizeof(m), err);
-        if (code != FL_OK)
-            munmap(addr, size);
+    if (code == FL_OK && fl_test_fail_arena_setup > 0) {   /* test seam: the last step fails */
+        fl_test_fail_arena_setup--;
+        code = FL_NOMEM;
     }
-    close(fd);
-    if (code != FL_OK) {
-        if (w->strategy == FL_STRATEGY_FS)
-            shm_unlink(name);
-        return code;
-    }
-    uint8_t *busy = PyMem_RawCalloc(nslots, 1);
-    if (busy == NULL) {
-        munmap(addr, size);
-        return FL_NOMEM;
-    }
+    if (code != FL_OK)
+        goto fail;
+    /* nothing can fail from here on */
+    drop_arena_handles(w);
     if (w->arena)
         munmap(w->arena, w->arena_size);   /* the main process keeps its own mapping */
     PyMem_RawFree(w->busy);
+    PyMem_RawFree(w->reserved);
     w->busy = busy;
+    w->reserved = reserved;
     w->arena = addr;
+    w->arena_fd = fd;
+    snprintf(w->arena_name, sizeof(w->arena_name), "%s", name);
+    w->arena_token = ident.token;
+    w->arena_dev = ident.dev;
+    w->arena_ino = ident.ino;
+    w->arena_announced = 0;
     w->arena_size = size;
     w->slot_size = slot;
     w->nslots = nslots;
     w->arena_seg = id;
     w->gen++;
     w->n_arenas++;
+    atomic_store(&w->ctl->arena_bytes, size);
+    atomic_store(&w->ctl->arena_reserved, 0);
+    return FL_OK;
+fail:
+    if (addr != NULL)
+        munmap(addr, size);
+    if (fd >= 0) {
+        close(fd);
+        if (fs && name[0])
+            shm_unlink(name);
+    }
+    PyMem_RawFree(busy);
+    PyMem_RawFree(reserved);
+    return code;
+}
+
+/* Reserve the pages of slot `slot` that a batch of `need` bytes will write, so
+ * that a full /dev/shm is an error here (the batch then goes to an overflow
+ * segment, whose own failure is the MemoryError the user sees), never a SIGBUS
+ * while encoding. A slot keeps what it reserved for the next batches. */
+static int
+reserve_slot(WorkerChannelObject *w, uint32_t slot, size_t need, int *err)
+{
+    size_t want = FL_ALIGN_UP(need, 4096);
+    if (want > w->slot_size)
+        want = w->slot_size;
+    size_t have = w->reserved[slot];
+    if (want <= have)
+        return FL_OK;
+    int code = fl_seg_reserve(w->arena_fd, (size_t)slot * w->slot_size + have, want - have, err);
+    if (code != FL_OK)
+        return code;
+    w->reserved[slot] = want;
+    atomic_fetch_add(&w->ctl->arena_reserved, want - have);
     return FL_OK;
 }
 
 static int
-make_overflow(WorkerChannelObject *w, size_t need, uint8_t **addr, size_t *size, uint64_t *id,
-              int *fd, int *err)
+res_has_room(fl_ctl *c)
 {
-    char name[FL_NAME_MAX];
+    uint64_t head = atomic_load_explicit(&c->res_head, memory_order_relaxed);
+    uint64_t tail = atomic_load_explicit(&c->res_tail, memory_order_acquire);
+    return head - tail < c->res_cap;
+}
+
+/* file_descriptor strategy: send a segment's fd right before the result that
+ * names it, once nothing can fail between the two (the result has room), so the
+ * main process always pairs an fd with its own result. */
+static int
+send_seg_fd(WorkerChannelObject *w, int fd, uint64_t id, uint64_t size, int *err)
+{
+    if (!res_has_room(w->ctl))
+        return FL_FULL;
+    fl_fdmsg m = {id, size};
+    return fl_send_fd(w->sock, fd, &m, sizeof(m), err);
+}
+
+static int
+make_overflow(WorkerChannelObject *w, size_t need, uint8_t **addr, size_t *size, uint64_t *id,
+              int *fd, char *name, fl_seg_ident *ident, int *err)
+{
     int fs = w->strategy == FL_STRATEGY_FS;
     *size = FL_ALIGN_UP(need, 4096);
     if (fs && fl_worker_begin_create() < 0) {
@@ -317,9 +413,11 @@ make_overflow(WorkerChannelObject *w, size_t need, uint8_t **addr, size_t *size,
         return FL_ERRNO;
     }
     *id = atomic_fetch_add(&w->ctl->next_seg_id, 1);
+    int code;
     if (fs)
-        fl_seg_name(name, w->prefix, *id);
-    int code = fl_seg_create(fs ? name : NULL, *size, 1, fd, err);
+        code = fl_seg_create_unique(w->prefix, 's', *id, *size, 1, name, ident, fd, err);
+    else
+        code = fl_seg_create(NULL, *size, 1, fd, err);
     if (fs)
         fl_worker_end_create();
     if (code != FL_OK)
@@ -328,8 +426,10 @@ make_overflow(WorkerChannelObject *w, size_t need, uint8_t **addr, size_t *size,
     code = fl_seg_map(*fd, *size, &p, err);
     if (code != FL_OK) {
         close(*fd);
-        if (w->strategy == FL_STRATEGY_FS)
+        *fd = -1;
+        if (fs)
             shm_unlink(name);
+        name[0] = '\0';
         return code;
     }
     *addr = p;
@@ -376,6 +476,9 @@ workerchan_publish(WorkerChannelObject *w, PyObject *args)
     uint8_t *ovf = NULL;
     size_t ovf_size = 0;
     uint64_t ovf_id = 0;
+    char ovf_name[FL_NAME_MAX] = "";
+    fl_seg_ident ovf_ident = {0, 0, 0};
+    int pushed = 0;
     PyObject *ret = NULL;
     if (plan == NULL)
         return NULL;
@@ -384,15 +487,10 @@ workerchan_publish(WorkerChannelObject *w, PyObject *args)
     size_t need = fl_plan_size(plan);
     drain_frees(w);
     if (w->arena == NULL || need > w->slot_size) {
-        code = new_arena(w, need, &err);
-        /* FL_FULL: too big for any arena. Anything else (no memory for a whole
-         * arena): this batch still gets a segment of its own size below, and a
-         * failure there is what the user sees. */
-        if (code != FL_OK && code != FL_FULL && code != FL_ERRNO) {
-            fl_raise(code, err, "creating a ring arena");
-            goto done;
-        }
-        code = FL_OK;
+        /* Whatever went wrong (too big for any arena, no memory for a whole arena),
+         * this batch still gets a segment of its own size below, and a failure
+         * there is what the user sees. */
+        (void)new_arena(w, need, &err);
     }
     uint32_t slot = UINT32_MAX;
     if (w->arena != NULL && need <= w->slot_size) {
@@ -402,19 +500,32 @@ workerchan_publish(WorkerChannelObject *w, PyObject *args)
                 break;
             }
     }
+    /* a slot whose pages cannot be reserved: this batch overflows */
+    if (slot != UINT32_MAX && reserve_slot(w, slot, need, &err) != FL_OK)
+        slot = UINT32_MAX;
     if (slot != UINT32_MAX) {
         if (fl_plan_write(st, plan, w->arena + (size_t)slot * w->slot_size, w->slot_size) < 0)
             goto done;
-        w->busy[slot] = 1;
         r.where = FL_WHERE_SLOT;
         r.gen = w->gen;
         r.slot = slot;
         r.seg = w->arena_seg;
         r.slot_size = w->slot_size;
         r.nslots = w->nslots;
+        r.token = w->arena_token;
+        r.dev = w->arena_dev;
+        r.ino = w->arena_ino;
+        if (!w->arena_announced && w->strategy == FL_STRATEGY_FD) {
+            code = send_seg_fd(w, w->arena_fd, w->arena_seg, w->arena_size, &err);
+            if (code != FL_OK) {
+                fl_raise(code, err, "sending a ring arena");
+                goto done;
+            }
+        }
     }
     else {
-        code = make_overflow(w, need, &ovf, &ovf_size, &ovf_id, &ovf_fd, &err);
+        code = make_overflow(w, need, &ovf, &ovf_size, &ovf_id, &ovf_fd, ovf_name, &ovf_ident,
+                             &err);
         if (code != FL_OK) {
             char what[96];
             snprintf(what, sizeof(what), "creating a %zu-byte overflow segment", ovf_size);
@@ -424,8 +535,7 @@ workerchan_publish(WorkerChannelObject *w, PyObject *args)
         if (fl_plan_write(st, plan, ovf, ovf_size) < 0)
             goto done;
         if (w->strategy == FL_STRATEGY_FD) {
-            fl_fdmsg m = {ovf_id, ovf_size};
-            code = fl_send_fd(w->sock, ovf_fd, &m, sizeof(m), &err);
+            code = send_seg_fd(w, ovf_fd, ovf_id, ovf_size, &err);
             if (code != FL_OK) {
                 fl_raise(code, err, "sending an overflow segment");
                 goto done;
@@ -433,8 +543,9 @@ workerchan_publish(WorkerChannelObject *w, PyObject *args)
         }
         r.where = FL_WHERE_OVERFLOW;
         r.seg = ovf_id;
-        w->n_overflow++;
-        atomic_fetch_add_explicit(&w->ctl->overflowed, 1, memory_order_relaxed);
+        r.token = ovf_ident.token;
+        r.dev = ovf_ident.dev;
+        r.ino = ovf_ident.ino;
     }
     r.nbytes = need;
     /* counted before the push, so that whoever sees the batch sees it counted */
@@ -447,17 +558,23 @@ workerchan_publish(WorkerChannelObject *w, PyObject *args)
         fl_raise(code, 0, "publishing a result");
         goto done;
     }
+    pushed = 1;
+    if (slot != UINT32_MAX) {
+        w->busy[slot] = 1;
+        w->arena_announced = 1;
+    }
+    else {
+        w->n_overflow++;
+        atomic_fetch_add_explicit(&w->ctl->overflowed, 1, memory_order_relaxed);
+    }
     ret = Py_NewRef(Py_None);
 done:
     if (ovf != NULL)
         munmap(ovf, ovf_size);
     if (ovf_fd >= 0)
         close(ovf_fd);
-    if (ret == NULL && ovf != NULL && w->strategy == FL_STRATEGY_FS) {
-        char name[FL_NAME_MAX];
-        fl_seg_name(name, w->prefix, ovf_id);
-        shm_unlink(name);
-    }
+    if (!pushed && ovf_name[0])
+        shm_unlink(ovf_name);   /* never announced: nobody else will open it */
     fl_plan_free(plan);
     return ret;
 }
@@ -465,19 +582,67 @@ done:
 static PyObject *
 workerchan_stats(WorkerChannelObject *w, PyObject *Py_UNUSED(ignored))
 {
-    return Py_BuildValue("{s:K,s:K,s:K,s:n,s:I}", "published",
+    return Py_BuildValue("{s:K,s:K,s:K,s:n,s:I,s:n,s:K}", "published",
                          (unsigned long long)w->n_published, "overflow",
                          (unsigned long long)w->n_overflow, "arenas",
                          (unsigned long long)w->n_arenas, "slot_size",
-                         (Py_ssize_t)w->slot_size, "slots", w->nslots);
+                         (Py_ssize_t)w->slot_size, "slots", w->nslots, "arena_bytes",
+                         (Py_ssize_t)w->arena_size, "arena_reserved_bytes",
+                         (unsigned long long)atomic_load(&w->ctl->arena_reserved));
 }
 
+/* The worker leaves its loop, whichever way. Results it published stay: the main
+ * process still opens them (and removes what it never opened when it closes the
+ * channel). Only if the main process is gone is everything removed here. */
 static PyObject *
 workerchan_cleanup(WorkerChannelObject *w, PyObject *Py_UNUSED(ignored))
 {
-    (void)w;
-    fl_worker_unlink_pending();
+    drop_arena_handles(w);
+    if (main_gone(w))
+        fl_worker_unlink_pending();
     Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(workerchan_test_hook_doc,
+"_test_hook(name, value)\n--\n\n"
+"Test seam (this process only): 'name_tokens' (a list of ints) are the next\n"
+"segment name tokens, before random ones; 'fail_arena_setup' (an int) ring arena\n"
+"set-ups fail at their last step as if memory ran out.");
+
+static PyObject *
+workerchan_test_hook(PyObject *Py_UNUSED(cls), PyObject *args)
+{
+    const char *name;
+    PyObject *value;
+    if (!PyArg_ParseTuple(args, "sO", &name, &value))
+        return NULL;
+    if (strcmp(name, "fail_arena_setup") == 0) {
+        int n = (int)PyLong_AsLong(value);
+        if (n == -1 && PyErr_Occurred())
+            return NULL;
+        fl_test_fail_arena_setup = n;
+        Py_RETURN_NONE;
+    }
+    if (strcmp(name, "name_tokens") == 0) {
+        uint64_t tokens[8];
+        PyObject *seq = PySequence_Fast(value, "name_tokens: a sequence of ints");
+        if (seq == NULL)
+            return NULL;
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+        if (n > 8)
+            n = 8;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            tokens[i] = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(seq, i));
+            if (PyErr_Occurred()) {
+                Py_DECREF(seq);
+                return NULL;
+            }
+        }
+        Py_DECREF(seq);
+        fl_seg_test_tokens(tokens, (size_t)n);
+        Py_RETURN_NONE;
+    }
+    return PyErr_Format(PyExc_ValueError, "_test_hook: unknown name %s", name);
 }
 
 static PyMethodDef workerchan_methods[] = {
@@ -485,7 +650,10 @@ static PyMethodDef workerchan_methods[] = {
     {"publish", (PyCFunction)workerchan_publish, METH_VARARGS, workerchan_publish_doc},
     {"stats", (PyCFunction)workerchan_stats, METH_NOARGS, PyDoc_STR("stats() -> dict")},
     {"cleanup", (PyCFunction)workerchan_cleanup, METH_NOARGS,
-     PyDoc_STR("cleanup(): remove named segments the main process has not taken yet")},
+     PyDoc_STR("cleanup(): the worker leaves; if the main process is gone, remove its "
+               "named segments")},
+    {"_test_hook", (PyCFunction)workerchan_test_hook, METH_VARARGS | METH_STATIC,
+     workerchan_test_hook_doc},
     {NULL, NULL, 0, NULL},
 };
 

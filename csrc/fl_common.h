@@ -29,6 +29,11 @@ enum fl_strategy { FL_STRATEGY_FD = 0, FL_STRATEGY_FS = 1 };
 /* Raise the exception that matches `code`; `what` names the operation and, for
  * FL_ERRNO, `err` is the saved errno. Always returns NULL. */
 PyObject *fl_raise(int code, int err, const char *what);
+/* The same, for an operation on a named file or segment: an OSError then carries
+ * errno and `filename` (NULL: none) and is of the matching subclass. Running out
+ * of memory or shared memory (ENOMEM, ENOSPC, EFBIG) is a MemoryError: put the
+ * size in `what`. */
+PyObject *fl_raise_path(int code, int err, const char *what, const char *filename);
 
 /* The module-level exception classes, created once in module.c. */
 typedef struct {

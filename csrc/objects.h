@@ -11,12 +11,20 @@
 
 #define FL_NAME_MAX 256
 
-typedef struct {
+typedef struct SegmentObject SegmentObject;
+struct SegmentObject {
     PyObject_HEAD
     void *addr;
     size_t size;
     pid_t pid;          /* a forked child must not unmap what it never used */
-} SegmentObject;
+    /* Batch mappings of the main process (arena: one part per slot; overflow
+     * segment: one part): a fork inherits only the parts a live batch points
+     * into (see fl_fork_guard_install). live == NULL: not a batch mapping. */
+    uint32_t nparts;
+    size_t part_size;
+    uint32_t *live;
+    SegmentObject *prev, *next;   /* every batch mapping of this process */
+};
 
 typedef struct MainChannelObject MainChannelObject;
 
@@ -46,6 +54,7 @@ struct MainChannelObject {
     int closed;
     char prefix[200];
     char ctl_name[FL_NAME_MAX];
+    uint64_t ctl_dev, ctl_ino;   /* file_system: what the worker must find at ctl_name */
     SegmentObject *arena;
     uint32_t arena_gen;
     uint64_t arena_slot_size;
@@ -65,10 +74,16 @@ typedef struct {
     char prefix[200];
     uint8_t *arena;
     size_t arena_size;
+    int arena_fd;        /* kept to reserve slots as they are first needed;
+                            file_descriptor: sent with the arena's first batch */
+    size_t *reserved;    /* per slot: bytes from its start reserved so far */
     size_t slot_size;
     uint32_t nslots, nslots_target;
     uint32_t gen;
     uint64_t arena_seg;
+    uint64_t arena_token, arena_dev, arena_ino;
+    int arena_announced;     /* the main process was told of the current arena */
+    char arena_name[FL_NAME_MAX];   /* file_system: unlinked if never announced */
     uint8_t *busy;
     uint64_t n_published, n_overflow, n_arenas;
     uint64_t last_task_ns;   /* when get_task last returned: busy time starts */
@@ -80,6 +95,15 @@ extern PyType_Spec fl_main_channel_spec;
 extern PyType_Spec fl_worker_channel_spec;
 
 SegmentObject *fl_segment_new(fl_state *st, void *addr, size_t size);
+/* A batch mapping split into `nparts` parts of `part_size` bytes (page multiples):
+ * not inherited by forks, except the parts that hold a live batch at fork time. */
+SegmentObject *fl_segment_new_batch(fl_state *st, void *addr, size_t size, uint32_t nparts,
+                                    size_t part_size);
+/* A batch now points into / stopped pointing into part `part` of `seg`. */
+void fl_segment_hold(SegmentObject *seg, uint32_t part);
+void fl_segment_release(SegmentObject *seg, uint32_t part);
+/* Register (once per process) the os.register_at_fork hook that applies the above. */
+int fl_fork_guard_install(void);
 /* module-level functions implemented beside MainChannel */
 PyObject *fl_recv(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *fl_decode_bytes(PyObject *module, PyObject *arg);

@@ -1183,6 +1183,17 @@ writer_enter(PackedWriterObject *w)
     return 0;
 }
 
+/* A failed write names the size the array had reached: on a full /dev/shm (or
+ * memfd limit) that is a MemoryError, like every other shared segment's. */
+static PyObject *
+writer_raise(PackedWriterObject *w, int code, int err)
+{
+    char what[96];
+    snprintf(what, sizeof(what), "writing a packed array (%llu bytes so far)",
+             (unsigned long long)(FL_PACKED_HDR_SIZE + w->flushed + w->buf_len));
+    return fl_raise(code, err, what);
+}
+
 static int
 append_gil(PackedWriterObject *w, const char *p, size_t n)
 {
@@ -1195,7 +1206,7 @@ append_gil(PackedWriterObject *w, const char *p, size_t n)
     else
         code = wr_append(w, p, n, &err);
     if (code != FL_OK) {
-        fl_raise(code, err, "writing a packed array");
+        writer_raise(w, code, err);
         return -1;
     }
     return 0;
@@ -1396,7 +1407,7 @@ writer_feed_lines(PyObject *self, PyObject *args, PyObject *kwds)
                             "PackedStringArray: line %llu is not valid UTF-8 (byte %zu of "
                             "the line)", (unsigned long long)w->lines, bad);
     if (code != FL_OK)
-        return fl_raise(code, err, "writing a packed array");
+        return writer_raise(w, code, err);
     Py_RETURN_NONE;
 }
 
@@ -1440,7 +1451,7 @@ writer_finish(PyObject *self, PyObject *Py_UNUSED(ignored))
     Py_END_ALLOW_THREADS
     w->busy = 0;
     if (code != FL_OK)
-        return fl_raise(code, err, "writing a packed array");
+        return writer_raise(w, code, err);
     w->finished = 1;
     writer_free_buffers(w);
     return PyLong_FromUnsignedLongLong(h.total);
@@ -1810,7 +1821,7 @@ packed_scan(PyObject *Py_UNUSED(module), PyObject *args)
         goto done;
     }
     if (code != FL_OK) {
-        fl_raise(code, err, "writing a packed array");
+        writer_raise(w, code, err);
         goto done;
     }
     result = PyLong_FromSize_t(c.nents);

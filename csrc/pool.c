@@ -1,6 +1,7 @@
 #define _GNU_SOURCE
 #include "fl_common.h"
 #include "pool.h"
+#include "seg_names.h"
 #include "shm.h"
 #include <errno.h>
 #include <poll.h>
@@ -46,19 +47,6 @@ fl_proc_dead(pid_t pid, int pidfd)
     return kill(pid, 0) < 0 && errno == ESRCH;
 }
 
-void
-fl_seg_name(char *dst, const char *prefix, unsigned long long id)
-{
-    size_t n = 0;
-    dst[n++] = '/';
-    for (const char *p = prefix; *p; p++)
-        dst[n++] = *p;
-    dst[n++] = '-';
-    dst[n++] = 's';
-    n += fl_fmt_u64(dst + n, id);
-    dst[n] = '\0';
-}
-
 /* Worker-process globals: a worker serves exactly one channel. */
 static fl_ctl *g_ctl;
 static char g_prefix[200];
@@ -100,18 +88,12 @@ void
 fl_worker_unlink_pending(void)
 {
     atomic_store(&g_dying, 1);
-    if (g_ctl == NULL || g_prefix[0] == '\0')
+    if (g_prefix[0] == '\0')
         return;
     /* let creations in flight finish (bounded: never hang an exiting worker) */
     for (int i = 0; i < 2000 && atomic_load(&g_creating) > 0; i++)
         usleep(100);
-    char name[256];
-    uint64_t lo = atomic_load(&g_ctl->unlinked_upto);
-    uint64_t hi = atomic_load(&g_ctl->next_seg_id);
-    for (uint64_t id = lo; id < hi && hi - id < (1u << 20); id++) {
-        fl_seg_name(name, g_prefix, id);
-        shm_unlink(name);
-    }
+    fl_seg_unlink_prefix(g_prefix);
 }
 
 static volatile sig_atomic_t g_watchdog_running;

@@ -20,9 +20,7 @@ void fl_worker_disarm(fl_ctl *ctl);
  * the worker is already dying (create nothing then). */
 int fl_worker_begin_create(void);
 void fl_worker_end_create(void);
-/* Unlink this worker's not-yet-unlinked named segments. Async-signal-safe. */
+/* The main process is gone: unlink every named segment of this worker (all
+ * names start with its prefix), nobody will open them. Async-signal-safe. */
 void fl_worker_unlink_pending(void);
-
-/* Build "/<prefix>-s<id>" into dst (size >= strlen(prefix) + 24). Signal-safe. */
-void fl_seg_name(char *dst, const char *prefix, unsigned long long id);
 #endif

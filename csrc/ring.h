@@ -49,6 +49,9 @@ typedef struct {
     uint64_t slot_size;
     uint32_t nslots;
     uint32_t pad;
+    /* file_system strategy: the segment's name token and the device and inode its
+     * creator saw; the main process opens the name only if it finds that file */
+    uint64_t token, dev, ino;
 } fl_result;
 
 typedef struct {
@@ -75,15 +78,17 @@ typedef struct {
     _Alignas(FL_CL) _Atomic uint64_t free_tail;
     _Alignas(FL_CL) _Atomic uint32_t main_waiting;
     _Alignas(FL_CL) _Atomic uint32_t worker_waiting;
-    /* file_system strategy: segment ids below this were unlinked by the main
-     * process; a worker cleaning up after the main process died unlinks the rest. */
-    _Alignas(FL_CL) _Atomic uint64_t unlinked_upto;
-    _Atomic uint64_t next_seg_id;
+    /* segment ids, for the fd-passing check and the names (file_system) */
+    _Alignas(FL_CL) _Atomic uint64_t next_seg_id;
     /* written by the worker, read by the main process for loader.stats() */
     _Alignas(FL_CL) _Atomic uint64_t busy_ns;     /* from taking a task to asking again */
     _Atomic uint64_t idle_ns;                      /* waiting for a task */
     _Atomic uint64_t published;
     _Atomic uint64_t overflowed;
+    /* the worker's current arena: its size, and the bytes of it reserved so far
+     * (slots are reserved as batches first need them, see channel_worker.c) */
+    _Atomic uint64_t arena_bytes;
+    _Atomic uint64_t arena_reserved;
 } fl_ctl;
 
 size_t fl_ctl_layout(uint64_t task_cap, uint32_t res_cap, uint32_t free_cap);

@@ -23,16 +23,9 @@ fl_seg_create(const char *name, size_t size, int reserve, int *fd_out, int *err)
         goto fail;
     if (ftruncate(fd, (off_t)size) < 0)
         goto fail;
-    if (reserve) {
-        int rc;
-        do {
-            rc = posix_fallocate(fd, 0, (off_t)size);
-        } while (rc == EINTR);
-        /* EOPNOTSUPP: the filesystem cannot reserve; fall back to lazy pages. */
-        if (rc != 0 && rc != EOPNOTSUPP && rc != EINVAL) {
-            errno = rc;
-            goto fail;
-        }
+    if (reserve && fl_seg_reserve(fd, 0, size, err) != FL_OK) {
+        errno = *err;
+        goto fail;
     }
     *fd_out = fd;
     return FL_OK;
@@ -44,6 +37,25 @@ fail:
             shm_unlink(name);
     }
     return FL_ERRNO;
+}
+
+int
+fl_seg_reserve(int fd, size_t off, size_t len, int *err)
+{
+    int rc;
+    if (len == 0)
+        return FL_OK;
+    /* posix_fallocate returns the error instead of setting errno */
+    do {
+        rc = posix_fallocate(fd, (off_t)off, (off_t)len);
+    } while (rc == EINTR);
+    /* EOPNOTSUPP: a filesystem that cannot reserve (tmpfs and memfd can): the
+     * pages stay lazy there, as they would be without us. */
+    if (rc != 0 && rc != EOPNOTSUPP) {
+        *err = rc;
+        return FL_ERRNO;
+    }
+    return FL_OK;
 }
 
 int

@@ -9,9 +9,13 @@
  * so that memory exhaustion is an ENOSPC/ENOMEM here and never a SIGBUS later.
  * name == NULL: memfd. Otherwise: shm_open(name, O_CREAT|O_EXCL, 0600). */
 int fl_seg_create(const char *name, size_t size, int reserve, int *fd_out, int *err);
+/* Reserve the pages of [off, off + len) of segment `fd` (fallocate): ENOSPC/ENOMEM
+ * here instead of a SIGBUS when the memory is first touched. */
+int fl_seg_reserve(int fd, size_t off, size_t len, int *err);
 int fl_seg_open(const char *name, int *fd_out, int *err);
 int fl_seg_map(int fd, size_t size, void **addr_out, int *err);
-/* Mappings made in the main process are not inherited by later forks. */
+/* Mappings made in the main process are not inherited by later forks
+ * (MADV_DONTFORK); see segment.c for the batches a fork does inherit. */
 void fl_seg_dontfork(void *addr, size_t size);
 
 /* One fd plus a small fixed-size message; retries on EINTR. */

@@ -188,6 +188,9 @@ def test_ctrl_c_while_waiting_for_a_batch():
     # finalizer, not in next(): collect now and keep the collector off meanwhile.
     gc.collect()
     gc.disable()
+    # A test run started in the background (`make test &`) inherits SIGINT ignored,
+    # and Python then keeps it ignored: be a foreground Ctrl-C target ourselves.
+    old_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
     loader = DataLoader(ds.SleepAtDataset(at=0, seconds=8), batch_size=1, num_workers=1,
                         multiprocessing_context="fork")
     it = iter(loader)
@@ -202,6 +205,7 @@ def test_ctrl_c_while_waiting_for_a_batch():
     finally:
         timer.cancel()
         gc.enable()
+        signal.signal(signal.SIGINT, old_handler)
     assert elapsed < DEATH_BOUND_S, f"KeyboardInterrupt came {elapsed:.1f} s after Ctrl-C"
     pids = list(it.worker_pids)
     del it, loader

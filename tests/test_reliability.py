@@ -307,7 +307,10 @@ def _read_line(proc, prefix, seconds=60):
 
 
 _CTRL_C_SCRIPT = """
-    import os, sys, time
+    import os, signal, sys, time
+    # Started from a background job, we inherit SIGINT ignored (and Python keeps it
+    # so): take Ctrl-C as a foreground program does.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     import psutil
     from fastloader import DataLoader
     from tests.reliability_datasets import SleepAtIndexDataset

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import functools
 import json
 import mmap
 import multiprocessing
@@ -31,6 +30,8 @@ import warnings
 import torch
 from torch.utils.data import Dataset
 
+from .shm_sweep import owner_state, process_start_time  # noqa: F401  (part of the report API)
+
 SHM_DIR = "/dev/shm"
 
 # torch's file_descriptor strategy keeps one fd per tensor storage that is in flight
@@ -42,9 +43,6 @@ FD_SOFT_LIMIT_LOW = 4096
 SHM_SIZE_LOW = 1 << 30
 SHM_FREE_FRACTION_LOW = 0.10
 SELFTEST_METHOD_TIMEOUT_S = 10
-# The start time of a process is only known to the clock tick and boot time to the
-# second; within this slack a segment is presumed to belong to the running process.
-_CLOCK_SLACK_S = 2.0
 _TEXT_WIDTH = 88
 
 # Segment names carry the pid of the process whose lifetime they belong to.
@@ -172,42 +170,6 @@ def collect_sharing() -> dict:
 
 
 # ---- /dev/shm: space and leftover segments --------------------------------------------
-
-@functools.lru_cache(maxsize=None)
-def _boot_time() -> float:
-    with open("/proc/stat") as f:
-        for line in f:
-            if line.startswith("btime "):
-                return float(line.split()[1])
-    raise OSError("no btime in /proc/stat")
-
-
-def process_start_time(pid: int) -> float | None:
-    """Wall-clock start time of `pid`, or None when no live process has that pid (a
-    zombie counts as gone: it can never touch a segment again)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            data = f.read()
-    except OSError:
-        return None
-    # The command name (field 2) may hold spaces and parentheses; the rest follows the last ')'.
-    fields = data.rsplit(")", 1)[1].split()
-    if fields[0] in ("Z", "X"):
-        return None
-    start_ticks = int(fields[19])   # field 22 of proc(5), counted from field 3 here
-    return _boot_time() + start_ticks / os.sysconf("SC_CLK_TCK")
-
-
-def owner_state(pid: int, mtime: float) -> tuple[bool, str]:
-    """(alive, why): whether the process named in a segment's name still exists and is
-    the one that wrote it (a pid reused by a later process started after the write)."""
-    started = process_start_time(pid)
-    if started is None:
-        return False, f"process {pid} no longer exists"
-    if started > mtime + _CLOCK_SLACK_S:
-        return False, f"pid {pid} now belongs to a process started after the segment was written"
-    return True, f"process {pid} is running"
-
 
 def _paths_in_use(paths: set) -> dict:
     """path -> pid of a process that has it open or mapped, among the processes we may

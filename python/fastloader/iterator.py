@@ -7,6 +7,7 @@ batches come out identical; only the transport differs. It also keeps what
 `DataLoader.state_dict()` needs to resume mid-epoch (see resume.py)."""
 from __future__ import annotations
 
+import copy
 import functools
 import pickle
 import time
@@ -320,6 +321,9 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             snap = None
             if kind == _core.RES_BATCH_SNAP:
                 data, snap = data
+                # kept for state_dict() for long: a copy, so that it does not pin a
+                # ring slot (nor make later forks inherit it, see segment.c)
+                snap = copy.deepcopy(snap)
             elif kind == _core.RES_ERROR and not isinstance(data, ExceptionWrapper):
                 data = ExceptionWrapper(where=f"in DataLoader worker process {wid}")
             result = (data, where, snap)

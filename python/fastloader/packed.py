@@ -43,6 +43,7 @@ Sharing:
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import os
 import stat
@@ -215,6 +216,7 @@ def _from_bytes(cls, data, strategy: str):
                                 f"shorter than the {_core.PACKED_HEADER_SIZE}-byte header")
     kind, fd, name = _new_segment(strategy)
     try:
+        _reserve(fd, len(view))
         written = 0
         while written < len(view):
             written += os.write(fd, view[written:written + (1 << 30)])
@@ -226,6 +228,18 @@ def _from_bytes(cls, data, strategy: str):
         return _core.PackedView.__new__(cls, seg, seg.mapping)
     except ValueError as exc:
         raise PackedFormatError(str(exc)) from None
+
+
+def _reserve(fd: int, size: int) -> None:
+    """Reserve a new segment's pages: a full /dev/shm (or memfd limit) is then a
+    MemoryError naming the size, as for every other shared segment."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            raise
+        raise MemoryError(f"fastloader: creating a {size}-byte packed array segment: "
+                          f"{exc.strerror} (shared memory is exhausted)") from None
 
 
 def _attach(cls, handle, start, step, length):

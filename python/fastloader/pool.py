@@ -17,7 +17,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from . import _core, forkserver, payload
+from . import _core, forkserver, payload, shm_sweep
 from .worker import worker_main
 from .worker_process import WorkerProcess
 
@@ -142,6 +142,9 @@ class WorkerPool:
         self.procs: list = []
         self._pids: list = []
         self._closed = False
+        if self.strategy_name == "file_system":
+            # segments a SIGKILLed loader of ours left behind (see shm_sweep.py)
+            shm_sweep.sweep_dead_loaders()
         with _LIVE_LOCK:
             _LIVE_POOLS.add(self)
         try:

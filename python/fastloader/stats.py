@@ -45,6 +45,10 @@ def collect(it, memory=True):
         "wait_s": it._wait_s,
         "data_stall_fraction": min(1.0, it._wait_s / wall),
         "batches_per_worker": list(it._delivered_by_worker),
+        # shared memory of the workers' current ring arenas: mapped (their size)
+        # and reserved (the slots batches have used so far: what was in flight)
+        "arena_bytes": sum(w["arena_bytes"] for w in workers),
+        "arena_reserved_bytes": sum(w["arena_reserved_bytes"] for w in workers),
         "workers": workers,
     }
 
@@ -57,7 +61,8 @@ def summary_line(s) -> str:
     busy = "/".join(f"{w['busy_fraction']:.0%}" for w in s["workers"])
     return (f"fastloader: epoch {s['epoch']}: {s['batches']} batches in {s['wall_s']:.2f} s, "
             f"waited {s['wait_s']:.2f} s for data ({s['data_stall_fraction']:.0%} stall), "
-            f"{s['overflow_batches']} via overflow segments, workers busy {busy}")
+            f"{s['overflow_batches']} via overflow segments, workers busy {busy}, "
+            f"{s['arena_reserved_bytes'] / 2**20:.1f} MiB of ring arenas reserved")
 
 
 def print_summary(it):

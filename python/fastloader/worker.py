@@ -131,13 +131,39 @@ def worker_main(spec, handle, fds):
         spec.dataset, spec.collate_fn, spec.worker_init_fn = _payload.load(fd.detach(), size)
     _close_inherited_fds({ctl_fd, efd_main, efd_worker, sock})
     chan = _core.WorkerChannel(handle, ctl_fd, efd_main, efd_worker, sock, spec.nslots)
+    current = _Current()
     try:
-        _serve(spec, chan)
+        _serve(spec, chan, current)
+    except SystemExit:
+        raise   # an exit code: the main process reports it once it took our results
+    except BaseException:
+        # Leaving the loop by an exception: what we published stays (the channel
+        # keeps it for the main process), and this error follows it, so the main
+        # process delivers every earlier batch and then raises this, as for an
+        # exception in __getitem__.
+        current.report(chan, spec.worker_id)
+        raise
     finally:
         chan.cleanup()
 
 
-def _serve(spec, chan):
+class _Current:
+    """The fetch task being served, whose result is not published yet."""
+
+    seq = None
+    index = None
+
+    def report(self, chan, worker_id):
+        if self.seq is None:
+            return   # between tasks: the main process reports our exit instead
+        try:
+            chan.publish(_core.RES_ERROR, self.seq, _wrap_exception(worker_id, self.seq,
+                                                                    self.index))
+        except BaseException:
+            pass   # the exit code still tells the main process
+
+
+def _serve(spec, chan, current):
     global _RANK_TEXT
     _RANK_TEXT = spec.rank_text
     name_thread = getattr(torch.multiprocessing, "_set_thread_name", None)
@@ -165,6 +191,7 @@ def _serve(spec, chan):
     every = spec.snapshot_every
     done = 0   # tasks taken this epoch: snapshots fall on the same ones when resumed
     while True:
+        current.seq = None
         task = chan.get_task()
         if task is None:          # the main process is gone
             return
@@ -198,8 +225,10 @@ def _serve(spec, chan):
                 except Exception:
                     pass
             continue
+        current.seq, current.index = seq, index
         if kind == _core.TASK_PICKLE:
             index = pickle.loads(index)
+            current.index = index
         if iteration_end:
             chan.publish(_core.RES_ITER_END, seq)
             continue

@@ -1,0 +1,91 @@
+"""Named segments whose owner is gone. Under sharing_strategy="file_system" every
+segment name embeds the pid of the loader's main process; when a whole process
+group is SIGKILLed nobody is left to unlink them, so the next loader (and
+`python -m fastloader doctor --clean`) removes them. Only regular files owned by
+our effective uid whose owner process is gone are ever removed: never another
+user's file, never a live loader's, never through a symlink."""
+from __future__ import annotations
+
+import functools
+import os
+import re
+import stat
+
+SHM_DIR = "/dev/shm"
+
+# A loader's channel segments: fastloader-<main pid>-<10 hex>-w<worker id>-...
+# (the doctor also knows packed arrays' and torch's names)
+LOADER_SEGMENT = re.compile(r"fastloader-(\d+)-[0-9a-f]{10}-w\d+-")
+
+# The start time of a process is only known to the clock tick and boot time to the
+# second; within this slack a segment is presumed to belong to the running process.
+CLOCK_SLACK_S = 2.0
+
+
+@functools.lru_cache(maxsize=None)
+def _boot_time() -> float:
+    with open("/proc/stat") as f:
+        for line in f:
+            if line.startswith("btime "):
+                return float(line.split()[1])
+    raise OSError("no btime in /proc/stat")
+
+
+def process_start_time(pid: int) -> float | None:
+    """Wall-clock start time of `pid`, or None when no live process has that pid (a
+    zombie counts as gone: it can never touch a segment again)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            data = f.read()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses; the rest follows the last ')'.
+    fields = data.rsplit(")", 1)[1].split()
+    if fields[0] in ("Z", "X"):
+        return None
+    start_ticks = int(fields[19])   # field 22 of proc(5), counted from field 3 here
+    return _boot_time() + start_ticks / os.sysconf("SC_CLK_TCK")
+
+
+def owner_state(pid: int, mtime: float) -> tuple[bool, str]:
+    """(alive, why): whether the process named in a segment's name still exists and is
+    the one that wrote it (a pid reused by a later process started after the write)."""
+    started = process_start_time(pid)
+    if started is None:
+        return False, f"process {pid} no longer exists"
+    if started > mtime + CLOCK_SLACK_S:
+        return False, f"pid {pid} now belongs to a process started after the segment was written"
+    return True, f"process {pid} is running"
+
+
+def sweep_dead_loaders(shm_dir: str = SHM_DIR) -> list:
+    """Unlink the channel segments of loaders whose main process is gone; returns
+    the names removed. Cheap (one directory listing), so every file_system loader
+    runs it when it starts."""
+    removed = []
+    euid = os.geteuid()
+    try:
+        entries = os.scandir(shm_dir)
+    except OSError:
+        return removed
+    with entries:
+        for entry in entries:
+            match = LOADER_SEGMENT.match(entry.name)
+            if match is None:
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue   # removed meanwhile
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != euid:
+                continue
+            if owner_state(int(match.group(1)), st.st_mtime)[0]:
+                continue
+            # The sticky bit of /dev/shm keeps other users from replacing our file
+            # between the check and the unlink.
+            try:
+                os.unlink(entry.path)
+                removed.append(entry.name)
+            except OSError:
+                pass
+    return removed
