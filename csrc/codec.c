@@ -1166,6 +1166,9 @@ dec_obj(dec *d, int depth)
     case T_TENSOR_VIEW:
         return dec_tensor_view(d);
     case T_MEMO: {
+        /* a memo marks one real node: a chain of marks would recurse without depth */
+        if (d->s < d->end && (*d->s == T_MEMO || *d->s == T_REF))
+            return corrupt("object memo");
         PyObject *v = dec_obj(d, depth);
         if (v == NULL)
             return NULL;

@@ -140,3 +140,18 @@ def test_storage_table_and_references_are_checked():
             for x in out if isinstance(out, list) else []:
                 if isinstance(x, torch.Tensor):
                     x.sum()   # a view that decoded must lie inside its storage
+
+
+def test_a_chain_of_memo_marks_is_refused_without_deep_recursion():
+    blob = bytearray(_core.encode([[1]]))
+    memo_tag = blob[64]                   # the outer list is marked for the memo
+    stream_len = int.from_bytes(blob[8:16], "little")
+    chain = bytes([memo_tag]) * 1_000_000 + bytes(blob[64:64 + stream_len])
+    hdr = bytearray(blob[:64])
+    hdr[8:16] = len(chain).to_bytes(8, "little")
+    data_off = (64 + len(chain) + 63) // 64 * 64
+    hdr[16:24] = data_off.to_bytes(8, "little")
+    hdr[24:32] = data_off.to_bytes(8, "little")
+    crafted = bytes(hdr) + chain + bytes(data_off - 64 - len(chain))
+    with pytest.raises(ValueError, match="corrupt"):
+        _core.decode(crafted)
