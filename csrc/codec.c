@@ -8,6 +8,10 @@
 enum {
     T_NONE = 1, T_FALSE, T_TRUE, T_INT, T_FLOAT, T_STR, T_BYTES,
     T_LIST, T_TUPLE, T_DICT, T_NAMEDTUPLE, T_ARRAY, T_TENSOR, T_NPSCALAR, T_PICKLE,
+    T_TENSOR_VIEW,  /* a tensor at an offset/strides into a storage (maybe shared) */
+    T_ARRAY_F,      /* a Fortran-ordered ndarray: NumPy's pickle keeps that order */
+    T_MEMO,         /* the next node is remembered (in completion order) for T_REF */
+    T_REF,          /* the same object again, as pickle's memo delivers it */
 };
 
 #define FL_DATA_ALIGN 64
@@ -19,15 +23,32 @@ typedef struct {
     uint64_t stream_len;
     uint64_t data_off;   /* from the start of the batch, multiple of 64 */
     uint64_t total;
+    uint64_t stab_len;   /* storage table, right before the node stream */
 } fl_batch_hdr;
+
+#define FL_BATCH_VERSION 2
+
+/* One storage table entry (on the wire): where the copied window of a tensor
+ * storage lies in the data area, and where that window starts in the storage. */
+typedef struct {
+    uint64_t off;
+    uint64_t nbytes;
+    uint64_t wlo;
+} fl_stab_entry;
+
+/* Copy the whole storage (as torch's transport does) unless the batch's tensors
+ * use only a small part of a big one (a row of a dataset-sized tensor): then only
+ * the used bytes travel, so a view of a huge storage does not copy all of it. */
+#define FL_WHOLE_STORAGE_SLACK 65536
 
 #define FL_STREAM_OFF 64
 
-enum { OP_MEMCPY = 1, OP_COPYINTO, OP_FILL };
+enum { OP_MEMCPY = 1, OP_COPYINTO, OP_FILL, OP_RAW };
 
 typedef struct {
     int kind;
-    PyObject *obj;            /* ndarray, bytes, or deferred stack (owned) */
+    PyObject *obj;            /* ndarray, bytes, deferred stack, or storage (owned) */
+    const uint8_t *src;       /* OP_RAW: bytes kept alive by obj */
     PyArray_Descr *descr;     /* OP_COPYINTO / OP_FILL (owned) */
     int ndim;
     npy_intp dims[NPY_MAXDIMS];
@@ -35,12 +56,30 @@ typedef struct {
     size_t nbytes;
 } fl_op;
 
+/* A tensor storage of the batch: its bytes travel once, whatever number of
+ * tensors view them. */
+typedef struct {
+    uintptr_t ptr;            /* 0 for a deferred stack (filled by its op) */
+    size_t nbytes;            /* the whole storage */
+    size_t lo, hi;            /* the bytes the batch's tensors touch */
+    PyObject *storage;        /* keeps the bytes alive (owned) */
+    Py_ssize_t op;            /* data op of the copied window, -1 until finalised */
+    size_t wlo;
+} fl_storage;
+
 struct fl_plan {
     uint8_t *stream;
     size_t slen, scap;
     fl_op *ops;
     size_t nops, opcap;
     size_t data_size;
+    fl_storage *stor;
+    size_t nstor, storcap;
+    PyObject *stor_index;     /* storage data_ptr -> index into stor */
+    PyObject *memo;           /* id(obj) -> memo index, objects kept alive by `keep` */
+    PyObject *keep;
+    uint64_t nmemo;
+    fl_stab_entry *stab;      /* built by finalise */
 };
 
 fl_plan *
@@ -61,6 +100,13 @@ fl_plan_free(fl_plan *p)
         Py_XDECREF(p->ops[i].obj);
         Py_XDECREF(p->ops[i].descr);
     }
+    for (size_t i = 0; i < p->nstor; i++)
+        Py_XDECREF(p->stor[i].storage);
+    Py_XDECREF(p->stor_index);
+    Py_XDECREF(p->memo);
+    Py_XDECREF(p->keep);
+    PyMem_Free(p->stor);
+    PyMem_Free(p->stab);
     PyMem_Free(p->ops);
     PyMem_Free(p->stream);
     PyMem_Free(p);
@@ -69,7 +115,9 @@ fl_plan_free(fl_plan *p)
 size_t
 fl_plan_size(const fl_plan *p)
 {
-    return FL_ALIGN_UP(FL_STREAM_OFF + p->slen, FL_DATA_ALIGN) + p->data_size;
+    return FL_ALIGN_UP(FL_STREAM_OFF + p->nstor * sizeof(fl_stab_entry) + p->slen,
+                       FL_DATA_ALIGN) +
+           p->data_size;
 }
 
 /* ---- node stream writing ---- */
@@ -158,13 +206,16 @@ put_array_body(fl_plan *p, int typenum, int ndim, const npy_intp *dims, size_t n
 }
 
 static int plan_obj(fl_state *st, fl_plan *p, PyObject *o, int depth);
+static int plan_memo(fl_state *st, fl_plan *p, PyObject *o, int depth);
+static int plan_compound(fl_state *st, fl_plan *p, PyObject *o, int depth);
 static int plan_pickle(fl_state *st, fl_plan *p, PyObject *o, int depth);
 
 static int
 plan_ndarray(fl_plan *p, PyArrayObject *a)
 {
     fl_op *op;
-    int contiguous = PyArray_IS_C_CONTIGUOUS(a);
+    /* an F-only array travels in its own order (tagged T_ARRAY_F by the caller) */
+    int contiguous = PyArray_IS_C_CONTIGUOUS(a) || PyArray_IS_F_CONTIGUOUS(a);
     if (put_array_body(p, PyArray_TYPE(a), PyArray_NDIM(a), PyArray_DIMS(a),
                        (size_t)PyArray_NBYTES(a), &op,
                        contiguous ? OP_MEMCPY : OP_COPYINTO) < 0)
@@ -178,30 +229,173 @@ plan_ndarray(fl_plan *p, PyArrayObject *a)
     return 0;
 }
 
-static int
-plan_tensor(fl_state *st, fl_plan *p, PyObject *t)
+/* A new storage table entry; takes a reference to `storage` */
+static Py_ssize_t
+add_storage(fl_plan *p, uintptr_t ptr, size_t nbytes, PyObject *storage)
 {
-    /* hook_export: tensor -> (ndarray view of its data, dtype code, requires_grad) */
+    if (p->nstor == p->storcap) {
+        size_t cap = p->storcap ? p->storcap * 2 : 8;
+        fl_storage *n = PyMem_Realloc(p->stor, cap * sizeof(fl_storage));
+        if (n == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        p->stor = n;
+        p->storcap = cap;
+    }
+    fl_storage *e = &p->stor[p->nstor];
+    e->ptr = ptr;
+    e->nbytes = nbytes;
+    e->lo = SIZE_MAX;
+    e->hi = 0;
+    e->storage = Py_XNewRef(storage);
+    e->op = -1;
+    e->wlo = 0;
+    return (Py_ssize_t)p->nstor++;
+}
+
+/* The storage entry of the bytes at `ptr`: the same one for every tensor on them */
+static Py_ssize_t
+find_storage(fl_plan *p, uintptr_t ptr, size_t nbytes, PyObject *storage)
+{
+    if (ptr == 0 || nbytes == 0) /* empty storages are never shared (nor by torch) */
+        return add_storage(p, ptr, nbytes, storage);
+    if (p->stor_index == NULL && (p->stor_index = PyDict_New()) == NULL)
+        return -1;
+    PyObject *key = PyLong_FromSize_t((size_t)ptr);
+    if (key == NULL)
+        return -1;
+    Py_ssize_t idx = -1;
+    PyObject *hit = PyDict_GetItemWithError(p->stor_index, key);
+    if (hit != NULL) {
+        idx = PyLong_AsSsize_t(hit);
+        /* two storages at one address with different sizes stay separate */
+        if (idx >= 0 && p->stor[idx].nbytes != nbytes)
+            idx = add_storage(p, ptr, nbytes, storage);
+    }
+    else if (!PyErr_Occurred()) {
+        idx = add_storage(p, ptr, nbytes, storage);
+        PyObject *v = idx >= 0 ? PyLong_FromSsize_t(idx) : NULL;
+        if (v == NULL || PyDict_SetItem(p->stor_index, key, v) < 0)
+            idx = -1;
+        Py_XDECREF(v);
+    }
+    Py_DECREF(key);
+    return idx;
+}
+
+static PyObject *
+export_error(const char *what)
+{
+    return PyErr_Format(PyExc_TypeError, "fastloader: tensor export hook misbehaved (%s)",
+                        what);
+}
+
+static int
+plan_tensor(fl_state *st, fl_plan *p, PyObject *t, int depth)
+{
+    /* hook_export: tensor -> (untyped storage, its data_ptr, its nbytes, dtype code,
+     * requires_grad, NumPy typenum of the bytes, storage_offset, shape, stride) */
     PyObject *r = PyObject_CallOneArg(st->hook_export, t);
-    int code, rg;
-    PyObject *arr;
+    PyObject *storage, *shape, *stride;
+    unsigned long long ptr;
+    Py_ssize_t snbytes;
+    int code, rg, typenum, rc = -1;
+    long long offset;
+    int64_t sizes[NPY_MAXDIMS], strides[NPY_MAXDIMS];
     if (r == NULL)
         return -1;
     if (r == Py_None) { /* not a plain CPU tensor: pickle it as torch would */
         Py_DECREF(r);
-        return plan_pickle(st, p, t, 0);
+        return plan_pickle(st, p, t, depth);
     }
-    if (!PyArg_ParseTuple(r, "Oip", &arr, &code, &rg) || !PyArray_CheckExact(arr) ||
-        !plain_array((PyArrayObject *)arr)) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_TypeError, "fastloader: tensor export hook misbehaved");
-        Py_DECREF(r);
-        return -1;
+    if (!PyArg_ParseTuple(r, "OKnipiLO!O!", &storage, &ptr, &snbytes, &code, &rg, &typenum,
+                          &offset, &PyTuple_Type, &shape, &PyTuple_Type, &stride))
+        goto done;
+    Py_ssize_t ndim = PyTuple_GET_SIZE(shape);
+    if (ndim > NPY_MAXDIMS || PyTuple_GET_SIZE(stride) != ndim || !allowed_typenum(typenum) ||
+        code < 0 || code >= 64 || snbytes < 0 || offset < 0) {
+        export_error("header");
+        goto done;
     }
-    int rc = put_u8(p, T_TENSOR) < 0 || put_i32(p, code) < 0 || put_i32(p, rg) < 0 ||
-             plan_ndarray(p, (PyArrayObject *)arr) < 0;
+    PyArray_Descr *descr = PyArray_DescrFromType(typenum);
+    if (descr == NULL)
+        goto done;
+    size_t k = (size_t)PyDataType_ELSIZE(descr);
+    Py_DECREF(descr);
+    /* numel, contiguity (size-1 dims do not count, as for torch) and the last element */
+    size_t numel = 1, maxel = (size_t)offset;
+    int64_t expect = 1;
+    int contiguous = 1;
+    for (Py_ssize_t i = ndim - 1; i >= 0; i--) {
+        sizes[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, i));
+        strides[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(stride, i));
+        if (PyErr_Occurred())
+            goto done;
+        if (sizes[i] < 0 || strides[i] < 0) {
+            export_error("negative size or stride");
+            goto done;
+        }
+        if (sizes[i] != 1 && strides[i] != expect)
+            contiguous = 0;
+        if (__builtin_mul_overflow(expect, sizes[i], &expect) ||
+            __builtin_mul_overflow(numel, (size_t)sizes[i], &numel)) {
+            PyErr_SetString(PyExc_OverflowError, "fastloader: tensor too large");
+            goto done;
+        }
+    }
+    size_t lo = 0, hi = 0, tbytes = 0;
+    if (numel > 0) {
+        for (Py_ssize_t i = 0; i < ndim; i++) {
+            size_t step;
+            if (__builtin_mul_overflow((size_t)(sizes[i] - 1), (size_t)strides[i], &step) ||
+                __builtin_add_overflow(maxel, step, &maxel)) {
+                PyErr_SetString(PyExc_OverflowError, "fastloader: tensor too large");
+                goto done;
+            }
+        }
+        if (__builtin_mul_overflow((size_t)offset, k, &lo) ||
+            __builtin_mul_overflow(maxel + 1, k, &hi) || hi > (size_t)snbytes) {
+            export_error("tensor outside its storage");
+            goto done;
+        }
+        tbytes = numel * k;
+    }
+    else {
+        contiguous = 1;
+    }
+    Py_ssize_t sidx = find_storage(p, (uintptr_t)ptr, (size_t)snbytes, storage);
+    if (sidx < 0)
+        goto done;
+    fl_storage *e = &p->stor[sidx];
+    if (numel > 0) {
+        e->lo = lo < e->lo ? lo : e->lo;
+        e->hi = hi > e->hi ? hi : e->hi;
+    }
+    if (offset == 0 && contiguous && tbytes == (size_t)snbytes) {
+        /* the common case: the tensor is its whole storage */
+        if (put_u8(p, T_TENSOR) < 0 || put_i32(p, code) < 0 || put_i32(p, rg) < 0 ||
+            put_i32(p, typenum) < 0 || put_u64(p, (uint64_t)ndim) < 0)
+            goto done;
+        for (Py_ssize_t i = 0; i < ndim; i++)
+            if (put_i64(p, sizes[i]) < 0)
+                goto done;
+        if (put_u64(p, (uint64_t)sidx) < 0)
+            goto done;
+    }
+    else {
+        if (put_u8(p, T_TENSOR_VIEW) < 0 || put_i32(p, code) < 0 || put_i32(p, rg) < 0 ||
+            put_i32(p, typenum) < 0 || put_u64(p, (uint64_t)sidx) < 0 ||
+            put_i64(p, offset) < 0 || put_u64(p, (uint64_t)ndim) < 0)
+            goto done;
+        for (Py_ssize_t i = 0; i < ndim; i++)
+            if (put_i64(p, sizes[i]) < 0 || put_i64(p, strides[i]) < 0)
+                goto done;
+    }
+    rc = 0;
+done:
     Py_DECREF(r);
-    return rc ? -1 : 0;
+    return rc;
 }
 
 static int
@@ -236,14 +430,26 @@ plan_stack(fl_state *st, fl_plan *p, PyObject *s)
             goto fail;
         }
     }
-    fl_op *op;
-    if (put_u8(p, T_TENSOR) < 0 || put_i32(p, code) < 0 || put_i32(p, 0) < 0 ||
-        put_array_body(p, descr->type_num, (int)ndim, dims, nbytes, &op, OP_FILL) < 0)
+    Py_ssize_t sidx = add_storage(p, 0, nbytes, NULL);
+    fl_op *op = sidx < 0 ? NULL : add_op(p, OP_FILL, nbytes);
+    if (op == NULL)
         goto fail;
+    p->stor[sidx].op = (Py_ssize_t)(op - p->ops);
+    op->ndim = (int)ndim;
+    if (ndim > 0)
+        memcpy(op->dims, dims, sizeof(npy_intp) * (size_t)ndim);
     Py_INCREF(s);
     op->obj = s;
     Py_INCREF(descr);
     op->descr = descr;
+    if (put_u8(p, T_TENSOR) < 0 || put_i32(p, code) < 0 || put_i32(p, 0) < 0 ||
+        put_i32(p, descr->type_num) < 0 || put_u64(p, (uint64_t)ndim) < 0)
+        goto fail;
+    for (Py_ssize_t i = 0; i < ndim; i++)
+        if (put_i64(p, (int64_t)dims[i]) < 0)
+            goto fail;
+    if (put_u64(p, (uint64_t)sidx) < 0)
+        goto fail;
     Py_DECREF(r);
     return 0;
 fail:
@@ -358,6 +564,49 @@ plan_obj(fl_state *st, fl_plan *p, PyObject *o, int depth)
                    ? -1
                    : put(p, PyBytes_AS_STRING(o), (size_t)n);
     }
+    return plan_memo(st, p, o, depth);
+}
+
+/* Lists, dicts, tuples, tensors, arrays and pickled objects keep their identity
+ * within a batch: the second occurrence of one object is a reference to the first
+ * (pickle's memo does the same in torch's transport). Memo indices are given in
+ * completion order on both sides; an object met again before it is complete (a
+ * recursive structure) is encoded again and hits the depth limit, as before. */
+static int
+plan_memo(fl_state *st, fl_plan *p, PyObject *o, int depth)
+{
+    if (p->memo == NULL &&
+        ((p->memo = PyDict_New()) == NULL || (p->keep = PyList_New(0)) == NULL))
+        return -1;
+    PyObject *key = PyLong_FromVoidPtr(o);
+    if (key == NULL)
+        return -1;
+    int rc = -1;
+    PyObject *hit = PyDict_GetItemWithError(p->memo, key);
+    if (hit != NULL) {
+        rc = (put_u8(p, T_REF) < 0 || put_u64(p, PyLong_AsUnsignedLongLong(hit)) < 0) ? -1 : 0;
+        goto done;
+    }
+    if (PyErr_Occurred() || put_u8(p, T_MEMO) < 0 || plan_compound(st, p, o, depth) < 0)
+        goto done;
+    /* `keep` holds the object so that its address is not reused within the batch */
+    PyObject *v = PyLong_FromUnsignedLongLong(p->nmemo);
+    if (v == NULL || PyDict_SetItem(p->memo, key, v) < 0 || PyList_Append(p->keep, o) < 0) {
+        Py_XDECREF(v);
+        goto done;
+    }
+    Py_DECREF(v);
+    p->nmemo++;
+    rc = 0;
+done:
+    Py_DECREF(key);
+    return rc;
+}
+
+static int
+plan_compound(fl_state *st, fl_plan *p, PyObject *o, int depth)
+{
+    PyTypeObject *tp = Py_TYPE(o);
     if (tp == &PyList_Type || tp == &PyTuple_Type) {
         int rc;
         if (put_u8(p, tp == &PyList_Type ? T_LIST : T_TUPLE) < 0)
@@ -398,11 +647,14 @@ plan_obj(fl_state *st, fl_plan *p, PyObject *o, int depth)
         return rc;
     }
     if ((PyObject *)tp == st->tensor_type)
-        return plan_tensor(st, p, o);
+        return plan_tensor(st, p, o, depth);
     if ((PyObject *)tp == st->stack_type)
         return plan_stack(st, p, o);
-    if (tp == &PyArray_Type && plain_array((PyArrayObject *)o))
-        return put_u8(p, T_ARRAY) < 0 ? -1 : plan_ndarray(p, (PyArrayObject *)o);
+    if (tp == &PyArray_Type && plain_array((PyArrayObject *)o)) {
+        PyArrayObject *a = (PyArrayObject *)o;
+        int f_only = !PyArray_IS_C_CONTIGUOUS(a) && PyArray_IS_F_CONTIGUOUS(a);
+        return put_u8(p, f_only ? T_ARRAY_F : T_ARRAY) < 0 ? -1 : plan_ndarray(p, a);
+    }
     if (PyArray_IsScalar(o, Generic)) {
         PyArray_Descr *d = PyArray_DescrFromScalar(o);
         if (d == NULL)
@@ -436,10 +688,52 @@ plan_obj(fl_state *st, fl_plan *p, PyObject *o, int depth)
     return plan_pickle(st, p, o, depth);
 }
 
+/* Decide what part of each storage travels, and give it a place in the data area */
+static int
+plan_finalise(fl_plan *p)
+{
+    if (p->nstor == 0)
+        return 0;
+    p->stab = PyMem_Calloc(p->nstor, sizeof(fl_stab_entry));
+    if (p->stab == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (size_t i = 0; i < p->nstor; i++) {
+        fl_storage *e = &p->stor[i];
+        if (e->op < 0) {
+            size_t lo = e->lo <= e->hi ? e->lo : 0, hi = e->lo <= e->hi ? e->hi : 0;
+            size_t span = hi - lo, whi = e->nbytes;
+            e->wlo = 0;
+            if (e->nbytes - span > (span > FL_WHOLE_STORAGE_SLACK ? span : FL_WHOLE_STORAGE_SLACK)) {
+                /* 64-aligned, so every element offset stays a whole number of items */
+                e->wlo = lo & ~(size_t)(FL_DATA_ALIGN - 1);
+                whi = hi;
+            }
+            fl_op *op = add_op(p, OP_RAW, whi - e->wlo);
+            if (op == NULL)
+                return -1;
+            op->src = (const uint8_t *)e->ptr + e->wlo;
+            op->obj = e->storage; /* the op owns it now */
+            e->storage = NULL;
+            e->op = (Py_ssize_t)(op - p->ops);
+        }
+        p->stab[i].off = p->ops[e->op].off;
+        p->stab[i].nbytes = p->ops[e->op].nbytes;
+        p->stab[i].wlo = e->wlo;
+    }
+    return 0;
+}
+
 int
 fl_plan_build(fl_state *st, fl_plan *p, PyObject *batch)
 {
-    return plan_obj(st, p, batch, 0);
+    if (plan_obj(st, p, batch, 0) < 0)
+        return -1;
+    /* the memo's objects are no longer needed: the ops hold what the write reads */
+    Py_CLEAR(p->memo);
+    Py_CLEAR(p->keep);
+    return plan_finalise(p);
 }
 
 static PyObject *
@@ -453,20 +747,29 @@ dest_array(PyArray_Descr *descr, int ndim, npy_intp *dims, uint8_t *ptr)
 int
 fl_plan_write(fl_state *st, fl_plan *p, uint8_t *dst, size_t cap)
 {
-    size_t data_off = FL_ALIGN_UP(FL_STREAM_OFF + p->slen, FL_DATA_ALIGN);
+    size_t stab_len = p->nstor * sizeof(fl_stab_entry);
+    size_t data_off = FL_ALIGN_UP(FL_STREAM_OFF + stab_len + p->slen, FL_DATA_ALIGN);
     size_t total = data_off + p->data_size;
     if (total > cap) {
         PyErr_SetString(PyExc_SystemError, "fastloader: plan larger than its slot");
         return -1;
     }
-    fl_batch_hdr h = {FL_BATCH_MAGIC, 1, p->slen, data_off, total};
+    fl_batch_hdr h = {FL_BATCH_MAGIC, FL_BATCH_VERSION, p->slen, data_off, total, stab_len};
     memset(dst, 0, FL_STREAM_OFF);
     memcpy(dst, &h, sizeof(h));
-    memcpy(dst + FL_STREAM_OFF, p->stream, p->slen);
+    if (stab_len)
+        memcpy(dst + FL_STREAM_OFF, p->stab, stab_len);
+    if (p->slen)
+        memcpy(dst + FL_STREAM_OFF + stab_len, p->stream, p->slen);
     uint8_t *data = dst + data_off;
     for (size_t i = 0; i < p->nops; i++) {
         fl_op *op = &p->ops[i];
         uint8_t *at = data + op->off;
+        if (op->kind == OP_RAW) {
+            if (op->nbytes)
+                memcpy(at, op->src, op->nbytes);
+            continue;
+        }
         if (op->kind == OP_MEMCPY) {
             const void *src = PyBytes_Check(op->obj)
                                   ? (const void *)PyBytes_AS_STRING(op->obj)
@@ -503,6 +806,11 @@ typedef struct {
     const uint8_t *data;
     size_t data_len;
     PyObject *owner;
+    fl_stab_entry *stab;     /* a private copy: read once from shared memory */
+    size_t nstor;
+    PyObject **stor_obj;     /* per storage: the first tensor decoded on it */
+    PyObject **memo;
+    size_t nmemo, memocap;
 } dec;
 
 static PyObject *
@@ -525,8 +833,26 @@ take(dec *d, void *out, size_t n)
 
 static PyObject *dec_obj(dec *d, int depth);
 
+/* an ndarray over `len` bytes of the data area, whose base is the batch owner */
 static PyObject *
-dec_array(dec *d, int *typenum_out)
+view_of_data(dec *d, PyArray_Descr *descr, int ndim, npy_intp *dims, uint64_t off,
+             int fortran)
+{
+    PyObject *arr = PyArray_NewFromDescr(&PyArray_Type, descr, ndim, dims, NULL,
+                                         (void *)(d->data + off),
+                                         fortran ? NPY_ARRAY_FARRAY : NPY_ARRAY_CARRAY, NULL);
+    if (arr == NULL)
+        return NULL;
+    Py_INCREF(d->owner);
+    if (PyArray_SetBaseObject((PyArrayObject *)arr, d->owner) < 0) {
+        Py_DECREF(arr);
+        return NULL;
+    }
+    return arr;
+}
+
+static PyObject *
+dec_array(dec *d, int *typenum_out, int fortran)
 {
     int32_t typenum;
     uint64_t ndim, off, nbytes;
@@ -552,17 +878,157 @@ dec_array(dec *d, int *typenum_out)
         Py_DECREF(descr);
         return PyErr_Occurred() ? NULL : corrupt("array extent");
     }
-    PyObject *arr = PyArray_NewFromDescr(&PyArray_Type, descr, (int)ndim, dims, NULL,
-                                         (void *)(d->data + off), NPY_ARRAY_CARRAY, NULL);
+    PyObject *arr = view_of_data(d, descr, (int)ndim, dims, off, fortran);
     if (arr == NULL)
         return NULL;
-    Py_INCREF(d->owner);
-    if (PyArray_SetBaseObject((PyArrayObject *)arr, d->owner) < 0) {
-        Py_DECREF(arr);
-        return NULL;
-    }
     *typenum_out = typenum;
     return arr;
+}
+
+/* the tensor hook for a view: (source, code, requires_grad, offset, sizes, strides),
+ * where source is a tensor whose storage to share, or the bytes of a new one */
+static PyObject *
+call_view_hook(dec *d, PyObject *src, int32_t code, int32_t rg, int64_t offset,
+               uint64_t ndim, const int64_t *sizes, const int64_t *strides)
+{
+    PyObject *sz = PyTuple_New((Py_ssize_t)ndim), *sd = PyTuple_New((Py_ssize_t)ndim);
+    PyObject *c = PyLong_FromLong(code), *o = PyLong_FromLongLong(offset), *r = NULL;
+    if (sz == NULL || sd == NULL || c == NULL || o == NULL)
+        goto done;
+    for (uint64_t i = 0; i < ndim; i++) {
+        PyObject *a = PyLong_FromLongLong(sizes[i]), *b = PyLong_FromLongLong(strides[i]);
+        if (a == NULL || b == NULL) {
+            Py_XDECREF(a);
+            Py_XDECREF(b);
+            goto done;
+        }
+        PyTuple_SET_ITEM(sz, (Py_ssize_t)i, a);
+        PyTuple_SET_ITEM(sd, (Py_ssize_t)i, b);
+    }
+    r = PyObject_CallFunctionObjArgs(d->st->hook_to_tensor, src, c, rg ? Py_True : Py_False,
+                                     o, sz, sd, NULL);
+done:
+    Py_XDECREF(sz);
+    Py_XDECREF(sd);
+    Py_XDECREF(c);
+    Py_XDECREF(o);
+    return r;
+}
+
+/* a tensor that is its whole storage (the common case: one from_numpy call) */
+static PyObject *
+dec_tensor(dec *d)
+{
+    int32_t code, rg, typenum;
+    uint64_t ndim, sidx;
+    int64_t sizes[NPY_MAXDIMS], strides[NPY_MAXDIMS];
+    npy_intp dims[NPY_MAXDIMS];
+    if (take(d, &code, 4) < 0 || take(d, &rg, 4) < 0 || take(d, &typenum, 4) < 0 ||
+        take(d, &ndim, 8) < 0)
+        return NULL;
+    if (!allowed_typenum(typenum) || ndim > NPY_MAXDIMS || code < 0 || code >= 64)
+        return corrupt("tensor header");
+    PyArray_Descr *descr = PyArray_DescrFromType(typenum);
+    if (descr == NULL)
+        return NULL;
+    size_t nbytes = (size_t)PyDataType_ELSIZE(descr);
+    for (uint64_t i = 0; i < ndim; i++) {
+        if (take(d, &sizes[i], 8) < 0 || sizes[i] < 0 ||
+            __builtin_mul_overflow(nbytes, (size_t)sizes[i], &nbytes)) {
+            Py_DECREF(descr);
+            return PyErr_Occurred() ? NULL : corrupt("tensor shape");
+        }
+        dims[i] = (npy_intp)sizes[i];
+    }
+    if (take(d, &sidx, 8) < 0 || sidx >= d->nstor || d->stab[sidx].wlo != 0 ||
+        d->stab[sidx].nbytes != nbytes) {
+        Py_DECREF(descr);
+        return PyErr_Occurred() ? NULL : corrupt("tensor storage");
+    }
+    PyObject *src = d->stor_obj[sidx];
+    if (src != NULL) { /* a second tensor on the same storage (x and x.view(-1)) */
+        Py_DECREF(descr);
+        int64_t step = 1;
+        for (uint64_t i = ndim; i-- > 0;) {
+            strides[i] = step;
+            step *= sizes[i] ? sizes[i] : 1;
+        }
+        return call_view_hook(d, src, code, rg, 0, ndim, sizes, strides);
+    }
+    PyObject *arr = view_of_data(d, descr, (int)ndim, dims, d->stab[sidx].off, 0);
+    if (arr == NULL)
+        return NULL;
+    PyObject *t;
+    if (!rg && d->st->plain_code[code] && d->st->from_numpy) {
+        /* the common case, without a Python-level call per tensor */
+        t = PyObject_CallOneArg(d->st->from_numpy, arr);
+    }
+    else {
+        PyObject *c = PyLong_FromLong(code);
+        t = c ? PyObject_CallFunctionObjArgs(d->st->hook_to_tensor, arr, c,
+                                             rg ? Py_True : Py_False, NULL)
+              : NULL;
+        Py_XDECREF(c);
+    }
+    Py_DECREF(arr);
+    if (t != NULL)
+        d->stor_obj[sidx] = Py_NewRef(t);
+    return t;
+}
+
+/* a tensor at an offset and strides into a storage, maybe shared with others */
+static PyObject *
+dec_tensor_view(dec *d)
+{
+    int32_t code, rg, typenum;
+    uint64_t ndim, sidx;
+    int64_t offset, sizes[NPY_MAXDIMS], strides[NPY_MAXDIMS];
+    if (take(d, &code, 4) < 0 || take(d, &rg, 4) < 0 || take(d, &typenum, 4) < 0 ||
+        take(d, &sidx, 8) < 0 || take(d, &offset, 8) < 0 || take(d, &ndim, 8) < 0)
+        return NULL;
+    if (!allowed_typenum(typenum) || ndim > NPY_MAXDIMS || code < 0 || code >= 64 ||
+        sidx >= d->nstor || offset < 0)
+        return corrupt("tensor view header");
+    PyArray_Descr *descr = PyArray_DescrFromType(typenum);
+    if (descr == NULL)
+        return NULL;
+    size_t k = (size_t)PyDataType_ELSIZE(descr);
+    Py_DECREF(descr);
+    const fl_stab_entry *e = &d->stab[sidx];
+    /* element offset within the copied window, and every element inside it */
+    size_t boff, numel = 1, maxel;
+    if (e->wlo % k != 0 || __builtin_mul_overflow((uint64_t)offset, k, &boff) || boff < e->wlo)
+        return corrupt("tensor view offset");
+    maxel = (boff - e->wlo) / k;
+    int64_t woffset = (int64_t)maxel;
+    for (uint64_t i = 0; i < ndim; i++) {
+        size_t step;
+        if (take(d, &sizes[i], 8) < 0 || take(d, &strides[i], 8) < 0)
+            return NULL;
+        if (sizes[i] < 0 || strides[i] < 0 ||
+            __builtin_mul_overflow(numel, (size_t)sizes[i], &numel))
+            return corrupt("tensor view shape");
+        if (sizes[i] > 0 &&
+            (__builtin_mul_overflow((size_t)(sizes[i] - 1), (size_t)strides[i], &step) ||
+             __builtin_add_overflow(maxel, step, &maxel)))
+            return corrupt("tensor view shape");
+    }
+    size_t end;
+    if (numel > 0 && (__builtin_mul_overflow(maxel + 1, k, &end) || end > e->nbytes))
+        return corrupt("tensor view extent");
+    PyObject *src = d->stor_obj[sidx], *fresh = NULL;
+    if (src == NULL) {
+        npy_intp n = (npy_intp)e->nbytes;
+        fresh = view_of_data(d, PyArray_DescrFromType(NPY_UINT8), 1, &n, e->off, 0);
+        if (fresh == NULL)
+            return NULL;
+        src = fresh;
+    }
+    PyObject *t = call_view_hook(d, src, code, rg, woffset, ndim, sizes, strides);
+    if (t != NULL && fresh != NULL)
+        d->stor_obj[sidx] = Py_NewRef(t);
+    Py_XDECREF(fresh);
+    return t;
 }
 
 static PyObject *
@@ -690,32 +1156,42 @@ dec_obj(dec *d, int depth)
         Py_DECREF(items);
         return r;
     }
-    case T_ARRAY: {
+    case T_ARRAY:
+    case T_ARRAY_F: {
         int typenum;
-        return dec_array(d, &typenum);
+        return dec_array(d, &typenum, tag == T_ARRAY_F);
     }
-    case T_TENSOR: {
-        int32_t code, rg;
-        int typenum;
-        if (take(d, &code, 4) < 0 || take(d, &rg, 4) < 0)
+    case T_TENSOR:
+        return dec_tensor(d);
+    case T_TENSOR_VIEW:
+        return dec_tensor_view(d);
+    case T_MEMO: {
+        /* a memo marks one real node: a chain of marks would recurse without depth */
+        if (d->s < d->end && (*d->s == T_MEMO || *d->s == T_REF))
+            return corrupt("object memo");
+        PyObject *v = dec_obj(d, depth);
+        if (v == NULL)
             return NULL;
-        PyObject *arr = dec_array(d, &typenum);
-        if (arr == NULL)
+        if (d->nmemo == d->memocap) {
+            size_t cap = d->memocap ? d->memocap * 2 : 16;
+            PyObject **m = PyMem_Realloc(d->memo, cap * sizeof(PyObject *));
+            if (m == NULL) {
+                Py_DECREF(v);
+                return PyErr_NoMemory();
+            }
+            d->memo = m;
+            d->memocap = cap;
+        }
+        d->memo[d->nmemo++] = Py_NewRef(v);
+        return v;
+    }
+    case T_REF: {
+        uint64_t i;
+        if (take(d, &i, 8) < 0)
             return NULL;
-        PyObject *t;
-        if (!rg && code >= 0 && code < 64 && d->st->plain_code[code] && d->st->from_numpy) {
-            /* the common case, without a Python-level call per tensor */
-            t = PyObject_CallOneArg(d->st->from_numpy, arr);
-        }
-        else {
-            PyObject *c = PyLong_FromLong(code);
-            t = c ? PyObject_CallFunctionObjArgs(d->st->hook_to_tensor, arr, c,
-                                                 rg ? Py_True : Py_False, NULL)
-                  : NULL;
-            Py_XDECREF(c);
-        }
-        Py_DECREF(arr);
-        return t;
+        if (i >= d->nmemo)
+            return corrupt("object reference");
+        return Py_NewRef(d->memo[i]);
     }
     case T_NPSCALAR: {
         int32_t typenum;
@@ -756,11 +1232,19 @@ dec_obj(dec *d, int depth)
         PyObject *r = mv ? PyObject_CallFunctionObjArgs(d->st->hook_loads, mv, oob, NULL)
                          : NULL;
         if (mv != NULL) {
-            /* the view must not outlive this call: the slot may be reused later */
+            /* The view must not outlive this call: the slot may be reused later. If
+             * unpickling failed, its error is the element's own: keep it as it is
+             * (calling release with it still set would replace it by a SystemError). */
+            PyObject *exc_type, *exc_value, *exc_tb;
+            PyErr_Fetch(&exc_type, &exc_value, &exc_tb);
             PyObject *rel = PyObject_CallMethod(mv, "release", NULL);
             if (rel == NULL) {
                 Py_CLEAR(r);
+                if (exc_type != NULL) /* the element's error wins over release's */
+                    PyErr_Clear();
             }
+            if (exc_type != NULL)
+                PyErr_Restore(exc_type, exc_value, exc_tb);
             Py_XDECREF(rel);
             Py_DECREF(mv);
         }
@@ -776,20 +1260,48 @@ PyObject *
 fl_decode(fl_state *st, const uint8_t *base, size_t cap, PyObject *owner)
 {
     fl_batch_hdr h;
+    PyObject *r = NULL;
     if (cap < FL_STREAM_OFF)
         return corrupt("short buffer");
     memcpy(&h, base, sizeof(h));
-    if (h.magic != FL_BATCH_MAGIC || h.version != 1)
+    if (h.magic != FL_BATCH_MAGIC || h.version != FL_BATCH_VERSION)
         return corrupt("bad magic");
-    if (h.total > cap || h.data_off > h.total || h.stream_len > h.data_off - FL_STREAM_OFF ||
-        h.data_off < FL_STREAM_OFF)
+    if (h.total > cap || h.data_off > h.total || h.data_off < FL_STREAM_OFF ||
+        h.stab_len > h.data_off - FL_STREAM_OFF ||
+        h.stream_len > h.data_off - FL_STREAM_OFF - h.stab_len ||
+        h.stab_len % sizeof(fl_stab_entry) != 0)
         return corrupt("header extents");
-    dec d = {st, base, base + FL_STREAM_OFF, base + FL_STREAM_OFF + h.stream_len,
-             base + h.data_off, (size_t)(h.total - h.data_off), owner};
-    PyObject *r = dec_obj(&d, 0);
-    if (r != NULL && d.s != d.end) {
-        Py_DECREF(r);
-        return corrupt("trailing bytes");
+    const uint8_t *stream = base + FL_STREAM_OFF + h.stab_len;
+    dec d = {st, base, stream, stream + h.stream_len, base + h.data_off,
+             (size_t)(h.total - h.data_off), owner, NULL, 0, NULL, NULL, 0, 0};
+    d.nstor = (size_t)(h.stab_len / sizeof(fl_stab_entry));
+    if (d.nstor) {
+        d.stab = PyMem_Malloc(h.stab_len);
+        d.stor_obj = PyMem_Calloc(d.nstor, sizeof(PyObject *));
+        if (d.stab == NULL || d.stor_obj == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        memcpy(d.stab, base + FL_STREAM_OFF, h.stab_len);
+        for (size_t i = 0; i < d.nstor; i++)
+            if (d.stab[i].off > d.data_len || d.stab[i].nbytes > d.data_len - d.stab[i].off ||
+                d.stab[i].nbytes > (uint64_t)NPY_MAX_INTP) {
+                corrupt("storage table");
+                goto done;
+            }
     }
+    r = dec_obj(&d, 0);
+    if (r != NULL && d.s != d.end) {
+        Py_CLEAR(r);
+        corrupt("trailing bytes");
+    }
+done:
+    for (size_t i = 0; i < d.nmemo; i++)
+        Py_DECREF(d.memo[i]);
+    for (size_t i = 0; d.stor_obj != NULL && i < d.nstor; i++)
+        Py_XDECREF(d.stor_obj[i]);
+    PyMem_Free(d.memo);
+    PyMem_Free(d.stor_obj);
+    PyMem_Free(d.stab);
     return r;
 }

@@ -4,7 +4,13 @@
  * place: fl_plan_build walks the batch (with the GIL), builds the node stream and
  * the list of buffers to copy, and knows the exact size; the caller picks a slot or
  * an overflow segment of that size; fl_plan_write fills it. Decoding returns
- * tensors and arrays that are views of the slot, each holding `owner`. */
+ * tensors and arrays that are views of the slot, each holding `owner`.
+ *
+ * Aliasing is kept as torch's pickling transport keeps it: each tensor storage
+ * travels once (a storage table precedes the node stream) and every tensor is a
+ * view of its storage with its offset, strides and dtype; the same object met
+ * twice is decoded as one object (a memo, as pickle's). NumPy arrays travel by
+ * value as NumPy pickles them: C order, or F order when only F-contiguous. */
 #ifndef FL_CODEC_H
 #define FL_CODEC_H
 #include "fl_common.h"

@@ -60,6 +60,11 @@ SAMPLES = [
     torch.randn(3, requires_grad=True), (1 + 2j) * torch.ones(2, dtype=torch.complex64).conj(),
     torch.randn(3).to_sparse(), Custom(torch.arange(3), 9),
     collections.OrderedDict(a=torch.ones(1)), {"nested": [[[torch.ones(1)]]]},
+    # aliasing: storage table, views, memo references, Fortran order (tests/test_aliasing.py)
+    (lambda t: {"t": t, "v": t[1:, ::2], "again": t, "i": t.view(torch.int32)})(
+        torch.arange(12.0).reshape(3, 4)),
+    (lambda lst: [lst, lst, (lst,)])([torch.ones(2), "x"]),
+    np.asfortranarray(np.arange(12.0).reshape(3, 4)), torch.ones(3).expand(2, 3),
 ]
 
 
@@ -116,3 +121,37 @@ def test_truncated_and_random_bytes_raise_never_crash():
             _core.decode(bytes(rng.randrange(256) for _ in range(rng.randint(0, 300))))
         except Exception:
             pass
+
+
+def test_storage_table_and_references_are_checked():
+    """Bytes that point a view outside its storage, or a reference at an object not yet
+    decoded, raise ValueError (never a read outside the buffer)."""
+    t = torch.arange(8.0)
+    blob = bytearray(_core.encode([t[2:4], t[2:4]]))
+    assert _core.decode(bytes(blob))[0].tolist() == [2.0, 3.0]
+    for i in range(64, len(blob)):
+        for v in (0xFF, 0x7F, 0x40):
+            bad = bytearray(blob)
+            bad[i] = v
+            try:
+                out = _core.decode(bytes(bad))
+            except (ValueError, RuntimeError, TypeError, IndexError):
+                continue
+            for x in out if isinstance(out, list) else []:
+                if isinstance(x, torch.Tensor):
+                    x.sum()   # a view that decoded must lie inside its storage
+
+
+def test_a_chain_of_memo_marks_is_refused_without_deep_recursion():
+    blob = bytearray(_core.encode([[1]]))
+    memo_tag = blob[64]                   # the outer list is marked for the memo
+    stream_len = int.from_bytes(blob[8:16], "little")
+    chain = bytes([memo_tag]) * 1_000_000 + bytes(blob[64:64 + stream_len])
+    hdr = bytearray(blob[:64])
+    hdr[8:16] = len(chain).to_bytes(8, "little")
+    data_off = (64 + len(chain) + 63) // 64 * 64
+    hdr[16:24] = data_off.to_bytes(8, "little")
+    hdr[24:32] = data_off.to_bytes(8, "little")
+    crafted = bytes(hdr) + chain + bytes(data_off - 64 - len(chain))
+    with pytest.raises(ValueError, match="corrupt"):
+        _core.decode(crafted)

@@ -53,27 +53,41 @@ for _name in _OPTIONAL_RAW:
     _t = getattr(torch, _name, None)
     if _t is not None:
         _register(_t, _RAW_BY_WIDTH[_t.itemsize], True)
+_TYPENUM = [d.num for d in _STORAGE]   # code -> NumPy typenum of the bytes
 
 
 def exportable(t) -> bool:
     """Whether the ring can carry this tensor's bytes directly."""
-    return (type(t) is torch.Tensor and t.layout is torch.strided
+    return (type(t) is torch.Tensor and t.layout is torch.strided and not t.is_nested
             and t.device.type == "cpu" and t.dtype in CODE and not t.is_quantized)
 
 
+# torch's transport refuses these too (torch.multiprocessing.reductions), with this text
+_NON_LEAF = ("Cowardly refusing to serialize non-leaf tensor which requires_grad, since "
+             "autograd does not support crossing process boundaries.  If you just want to "
+             "transfer the data, call detach() on the tensor before serializing (e.g., "
+             "putting it on the queue).")
+
+
 def export_tensor(t):
-    """tensor -> (ndarray over its bytes, dtype code, requires_grad), or None."""
+    """tensor -> (untyped storage, its data_ptr, its nbytes, dtype code, requires_grad,
+    NumPy typenum of its bytes, storage_offset, shape, stride), or None.
+
+    The C encoder copies each storage once and records every tensor as a view of
+    it, so tensors that share a storage in the worker share one in the main
+    process, with the same offsets and strides (as torch's transport delivers)."""
     if not exportable(t):
         return None
+    rg = t.requires_grad
+    if rg and not t.is_leaf:
+        raise RuntimeError(_NON_LEAF)
+    if t.is_conj() or t.is_neg():
+        # torch's transport drops these bits and so changes the values; keep the values
+        t = t.detach().resolve_conj().resolve_neg()
     code = CODE[t.dtype]
-    d = t.detach()
-    if d.is_conj() or d.is_neg():
-        d = d.resolve_conj().resolve_neg()
-    if not d.is_contiguous():
-        d = d.contiguous()
-    if _NEEDS_VIEW[code]:
-        d = d.view(_torch_raw(code))
-    return d.numpy(), code, t.requires_grad
+    s = t.untyped_storage()
+    return (s, s.data_ptr(), s.nbytes(), code, rg, _TYPENUM[code], t.storage_offset(),
+            t.shape, t.stride())
 
 
 _RAW_TORCH = {np.dtype(np.uint8): torch.uint8, np.dtype(np.int16): torch.int16,
@@ -82,12 +96,18 @@ _RAW_TORCH = {np.dtype(np.uint8): torch.uint8, np.dtype(np.int16): torch.int16,
               np.dtype(np.uint64): torch.int64}
 
 
-def _torch_raw(code):
-    return _RAW_TORCH[_STORAGE[code]]
+def to_tensor(arr, code, requires_grad, offset=None, size=None, stride=None):
+    """ndarray view of a slot -> tensor sharing its memory (the array stays its base).
 
-
-def to_tensor(arr, code, requires_grad):
-    """ndarray view of a slot -> tensor sharing its memory (the array stays its base)."""
+    With offset/size/stride: `arr` is a tensor whose storage to share, or a uint8
+    ndarray over the bytes of a new storage; the result is a view of that storage."""
+    if offset is not None:
+        storage = (arr.untyped_storage() if isinstance(arr, torch.Tensor)
+                   else torch.from_numpy(arr).untyped_storage())
+        t = torch.empty(0, dtype=DTYPES[code]).set_(storage, offset, size, stride)
+        if requires_grad:
+            t.requires_grad_(True)
+        return t
     if _NEEDS_VIEW[code]:
         if arr.dtype.kind == "u":   # from_numpy may not know unsigned wide ints
             arr = arr.view(np.dtype(f"i{arr.dtype.itemsize}"))

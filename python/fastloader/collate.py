@@ -11,7 +11,7 @@ from ._codec_hooks import CODE, DeferredStack, exportable
 
 def _stack_into_slot(batch, *, collate_fn_map=None):
     elem = batch[0]
-    if exportable(elem) and not elem.is_nested:
+    if exportable(elem):   # exportable() excludes nested tensors
         # Like torch's worker-side collate, the output is sized and typed from
         # the first sample and filled by torch.stack(..., out=...), so the other
         # samples are checked by torch.stack itself, with torch's own errors
