@@ -30,6 +30,7 @@ def loader_facts(loader):
         "class": f"{type(loader).__module__}.{type(loader).__qualname__}",
         "sharing_strategy": getattr(loader, "sharing_strategy", None),
         "num_workers": loader.num_workers,
+        "persistent_workers": loader.persistent_workers,
         "multiprocessing_context": _context_name(loader.multiprocessing_context),
         "sampler": type(loader.sampler).__name__,
         "stats": stats,
