@@ -48,13 +48,17 @@ def run_both(script, out_dir, *args, **kwargs):
     already compared bit for bit."""
     ref = run_client(script, "torch", out_dir, *args, **kwargs)
     got = run_client(script, "fastloader", out_dir, *args, **kwargs)
-    for key in ("batches", "losses"):
-        assert (key in ref) == (key in got), f"{script}: only one run recorded {key}"
-        if key in ref:
-            assert_same_batches(got[key], ref[key], f"{script} {' '.join(map(str, args))} "
-                                                    f"{key}")
-    assert ref["batches"], f"{script}: the torch run yielded no batch"
+    assert_same_runs(ref, got, f"{script} {' '.join(map(str, args))}")
     return ref, got
+
+
+def assert_same_runs(ref, got, what):
+    """fastloader's run computed what torch's did: same batches, same losses."""
+    for key in ("batches", "losses"):
+        assert (key in ref) == (key in got), f"{what}: only one run recorded {key}"
+        if key in ref:
+            assert_same_batches(got[key], ref[key], f"{what} {key}")
+    assert ref["batches"], f"{what}: the torch run yielded no batch"
 
 
 def assert_fastloader_ran(facts, workers):
