@@ -1,7 +1,7 @@
 """torchvision: ImageFolder + RandomResizedCrop under torch's DataLoader, and the same
 transform over fastloader.PackedImageFolder under fastloader's. Usage: LOADER OUT ROOT
 START_METHOD. Records the index (classes, class_to_idx, samples, targets) and two
-shuffled epochs of batches."""
+shuffled epochs of batches (persistent workers)."""
 import torch
 from torchvision import transforms
 from torchvision.datasets import ImageFolder
@@ -37,6 +37,7 @@ def main():
     torch.manual_seed(5)
     loader = DataLoader(dataset, batch_size=4, shuffle=True,
                         generator=torch.Generator().manual_seed(11), num_workers=2,
+                        persistent_workers=True,
                         multiprocessing_context=method)
     batches = collect(loader, epochs=2)
     save(out, batches=batches, index=index, loader=loader_facts(loader))
