@@ -43,9 +43,10 @@ $(CDEPS): requirements-compat.txt
 	touch $@
 
 test-compat: install $(CDEPS)
-	$(CVPY) -c "import fastloader._core, torch, torchvision; \
+	$(CVPY) -c "import fastloader._core as c, torch, torchvision; \
+		assert c.__file__.startswith('$(CURDIR)/python/'), c.__file__; \
 		print('compat venv: torch', torch.__version__, 'torchvision', \
-		torchvision.__version__, 'fastloader from', fastloader._core.__file__)"
+		torchvision.__version__, 'fastloader from', c.__file__)"
 	$(CVPY) -m pytest -q tests/clients/test_torchvision.py tests/test_conformance.py
 
 BENCH_DEPS := $(VENV)/.bench-deps-stamp
