@@ -6,13 +6,16 @@ VPY    := $(VENV)/bin/python
 DEPS   := $(VENV)/.deps-stamp
 CFLAGS_STRICT := FASTLOADER_WERROR=1
 
-.PHONY: all install test bench test-asan leakcheck clean
+.PHONY: all install test test-compat bench test-asan leakcheck clean
 
 all: test
 
-$(DEPS): requirements-dev.txt
+# requirements-clients.txt: the third-party libraries of tests/clients/ (Lightning, HF
+# datasets, pandas, ...), resolved on the same pip command line as the torch pin.
+$(DEPS): requirements-dev.txt requirements-clients.txt
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
-	$(VPY) -m pip install -q --disable-pip-version-check -r requirements-dev.txt
+	$(VPY) -m pip install -q --disable-pip-version-check \
+		-r requirements-dev.txt -r requirements-clients.txt
 	touch $@
 
 # The extension is always rebuilt with -Wall -Wextra -Werror.
@@ -22,6 +25,29 @@ install: $(DEPS)
 
 test: install
 	$(VPY) -m pytest -q tests
+
+# A second torch: .venv-compat holds torch 2.14.1 + torchvision 0.29.1 (the pair that
+# imports together; see requirements-compat.txt) and runs the torchvision client test
+# and the whole conformance suite on it. The package is not built a second time: the
+# in-place _core .so that `install` built is tied to CPython 3.11's ABI and NumPy 2's C
+# API only (it never links libtorch), so a .pth file puts the same python/ directory
+# on the compat venv's path; `install` rebuilding it stays the one build.
+CVENV := .venv-compat
+CVPY  := $(CVENV)/bin/python
+CDEPS := $(CVENV)/.deps-stamp
+$(CDEPS): requirements-compat.txt
+	test -x $(CVPY) || $(PYTHON) -m venv $(CVENV)
+	$(CVPY) -m pip install -q --disable-pip-version-check -r requirements-compat.txt
+	$(CVPY) -c "import sysconfig; open(sysconfig.get_paths()['purelib'] \
+		+ '/fastloader-source.pth', 'w').write('$(CURDIR)/python\n')"
+	touch $@
+
+test-compat: install $(CDEPS)
+	$(CVPY) -c "import fastloader._core as c, torch, torchvision; \
+		assert c.__file__.startswith('$(CURDIR)/python/'), c.__file__; \
+		print('compat venv: torch', torch.__version__, 'torchvision', \
+		torchvision.__version__, 'fastloader from', c.__file__)"
+	$(CVPY) -m pytest -q tests/clients/test_torchvision.py tests/test_conformance.py
 
 BENCH_DEPS := $(VENV)/.bench-deps-stamp
 $(BENCH_DEPS): requirements-bench.txt $(DEPS)

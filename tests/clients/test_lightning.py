@@ -1,0 +1,35 @@
+"""PyTorch Lightning: Trainer(accelerator="cpu") on one device and on two ddp_spawn
+processes trains on torch's batches with torch's per-step losses, and the loader that
+Lightning rebuilds for DDP is still fastloader's, with its kwargs."""
+import pytest
+import torch
+
+from tests.clients.conftest import assert_fastloader_ran, run_both
+
+pytest.importorskip("lightning", reason="lightning is not installed "
+                    "(make test installs requirements-clients.txt)")
+
+
+@pytest.mark.parametrize("devices,where", [(1, "hook"), (2, "hook"), (2, "fit")])
+def test_trainer_trains_as_with_torch(out_dir, devices, where):
+    ref, got = run_both("lightning_client.py", out_dir, devices, where)
+    assert len(ref["losses"]) == devices
+    # 64 samples, batch 8, 2 epochs: the ranks share them
+    assert [len(r) for r in ref["losses"]] == [16 // devices] * devices
+    for rank in range(devices):
+        for a, b in zip(got["weights"][rank], ref["weights"][rank]):
+            assert torch.equal(a, b), f"rank {rank}: final weights differ"
+        facts = got["loaders"][rank]
+        assert_fastloader_ran(facts, workers=2)
+        assert facts["sharing_strategy"] == "file_system", facts
+        expected = "DistributedSampler" if devices > 1 else "RandomSampler"
+        assert facts["sampler"] == expected, facts
+        assert ref["loaders"][rank]["sampler"] == expected
+        # the other kwargs survived Lightning's rebuild too
+        if where == "fit":
+            assert facts["multiprocessing_context"] == "fork", facts
+        assert facts["persistent_workers"] == (devices > 1 and where == "hook"), facts
+    if devices > 1:
+        assert ref["strategy"] == got["strategy"] == "DDPStrategy"
+        # the two ranks saw different samples (the injected sampler shards)
+        assert not torch.equal(ref["batches"][0][0][1], ref["batches"][1][0][1])
