@@ -1,19 +1,9 @@
 /* PackedMapping: a read-only MAP_SHARED mapping of a packed segment or file. */
 #define _GNU_SOURCE
 #include "packed_internal.h"
-#include <dirent.h>
 #include <errno.h>
-#include <fcntl.h>
-#include <limits.h>
-#include <stdarg.h>
-#include <stdlib.h>
-#include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
-#include <unistd.h>
-
-/* ---- PackedMapping ------------------------------------------------------------------ */
-
 
 PyDoc_STRVAR(mapping_doc,
 "PackedMapping(fd, size, populate=False)\n--\n\n"

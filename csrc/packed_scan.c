@@ -4,15 +4,10 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
-#include <limits.h>
-#include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
-
-/* ---- packed_scan: a sorted directory scan ------------------------------------------- */
 
 #define SCAN_MAX_DEPTH 256
 
@@ -355,7 +350,6 @@ done:
     PyMem_RawFree(c.err_path);
     return result;
 }
-
 
 static PyMethodDef packed_functions[] = {
     {"packed_scan", packed_scan, METH_VARARGS, packed_scan_doc},

@@ -1,18 +1,10 @@
 /* Helpers of the packed files: exception chaining, strict UTF-8, full pwrite. */
 #define _GNU_SOURCE
 #include "packed_internal.h"
-#include <dirent.h>
 #include <errno.h>
-#include <fcntl.h>
-#include <limits.h>
 #include <stdarg.h>
-#include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
 #include <unistd.h>
-
-/* ---- small helpers ------------------------------------------------------------ */
 
 /* The exception being raised, normalised, with its traceback attached. */
 static PyObject *
@@ -137,7 +129,6 @@ bad:
     *bad = i;
     return 0;
 }
-
 
 PyObject *
 fl_packed_import_attr(const char *module, const char *name)

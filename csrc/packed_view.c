@@ -3,21 +3,11 @@
  * Every offset is read once (fl_packed_load_offset) and checked: see packed.c. */
 #define _GNU_SOURCE
 #include "packed_internal.h"
-#include <dirent.h>
 #include <errno.h>
-#include <fcntl.h>
-#include <limits.h>
-#include <stdarg.h>
-#include <stdlib.h>
+#include <stdint.h>
 #include <string.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
-/* ---- PackedView -------------------------------------------------------------------- */
 
 static void view_dealloc(PyObject *self);
-
 
 /* Check the header against the mapping; ValueError (naming the byte offset or
  * the sizes involved) when it does not describe a packed array of this size. */
@@ -166,7 +156,6 @@ view_item_at(PackedViewObject *v, Py_ssize_t k)
 {
     return decode_item(v, view_pos(v, k));
 }
-
 
 PyDoc_STRVAR(view_doc,
 "PackedView(storage, mapping, start=0, step=1, length=-1)\n--\n\n"

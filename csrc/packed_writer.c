@@ -2,19 +2,11 @@
  * or file through pwrite(), then writes the offsets and the header (finish). */
 #define _GNU_SOURCE
 #include "packed_internal.h"
-#include <dirent.h>
 #include <errno.h>
-#include <fcntl.h>
-#include <limits.h>
-#include <stdarg.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
 #include <unistd.h>
-
-/* ---- PackedWriter ----------------------------------------------------------------- */
-
 
 PyDoc_STRVAR(writer_doc,
 "PackedWriter(fd, kind)\n--\n\n"
