@@ -96,9 +96,6 @@ int fl_main_channel_init(PyObject *module, fl_state *st);   /* MainChannel */
 int fl_worker_channel_init(PyObject *module, fl_state *st); /* WorkerChannel */
 int fl_recv_init(PyObject *module);                         /* recv() */
 
-/* Create a heap type bound to `module`, store it in *out and add it to the module. */
-int fl_add_type(PyObject *module, PyType_Spec *spec, PyTypeObject **out);
-
 SegmentObject *fl_segment_new(fl_state *st, void *addr, size_t size);
 /* A batch mapping split into `nparts` parts of `part_size` bytes (page multiples):
  * not inherited by forks, except the parts that hold a live batch at fork time. */

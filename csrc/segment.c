@@ -251,16 +251,6 @@ static PyType_Spec fl_owner_spec = {
 };
 
 int
-fl_add_type(PyObject *module, PyType_Spec *spec, PyTypeObject **out)
-{
-    PyObject *t = PyType_FromModuleAndSpec(module, spec, NULL);
-    if (t == NULL)
-        return -1;
-    *out = (PyTypeObject *)t;
-    return PyModule_AddType(module, (PyTypeObject *)t);
-}
-
-int
 fl_segment_init(PyObject *module, fl_state *st)
 {
     if (fl_add_type(module, &fl_segment_spec, &st->SegmentType) < 0 ||

@@ -46,6 +46,18 @@ fl_state_of_type(PyTypeObject *tp)
     return m ? fl_state_of_module(m) : NULL;
 }
 
+/* Component set-up: create a heap type bound to `module` (so its methods find
+ * the state), keep it in *out (the state's reference) and add it to the module. */
+static inline int
+fl_add_type(PyObject *module, PyType_Spec *spec, PyTypeObject **out)
+{
+    PyObject *t = PyType_FromModuleAndSpec(module, spec, NULL);
+    if (t == NULL)
+        return -1;
+    *out = (PyTypeObject *)t;
+    return PyModule_AddType(module, (PyTypeObject *)t);
+}
+
 /* The codec needs the Python hooks; 0 with RuntimeError if they are not set. */
 static inline int
 fl_hooks_ready(fl_state *st)
