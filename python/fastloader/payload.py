@@ -81,6 +81,15 @@ class SharedPickle:
         self.size = len(blob)
         self.fd = os.memfd_create("fastloader-payload", os.MFD_CLOEXEC)
         try:
+            # Reserve the pages first: running out of memory is then a MemoryError
+            # here, naming the size, not an OSError half-way or a SIGBUS later.
+            try:
+                if self.size:
+                    os.posix_fallocate(self.fd, 0, self.size)
+            except OSError as exc:
+                raise MemoryError(
+                    f"fastloader: creating a {self.size}-byte payload segment: "
+                    f"{exc.strerror}") from exc
             view = memoryview(blob)
             while view:
                 view = view[os.write(self.fd, view):]
