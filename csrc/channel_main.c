@@ -362,8 +362,12 @@ map_segment(MainChannelObject *c, const fl_result *r, uint64_t size, void **addr
             close(fd);
             return FL_CORRUPT;
         }
+        /* unsealed, a same-uid process holding the fd could shrink it under our
+           mapping: every access would then be a SIGBUS */
+        int seals = fcntl(fd, F_GET_SEALS);
         struct stat sb;
-        if (fstat(fd, &sb) < 0 || (uint64_t)sb.st_size < size) {
+        if (seals < 0 || (seals & FL_SEG_SEALS) != FL_SEG_SEALS || fstat(fd, &sb) < 0 ||
+            (uint64_t)sb.st_size < size) {
             close(fd);
             return FL_CORRUPT;
         }

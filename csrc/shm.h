@@ -3,7 +3,11 @@
  * All functions run without the GIL and return fl_code values. */
 #ifndef FL_SHM_H
 #define FL_SHM_H
+#include <fcntl.h>
 #include <stddef.h>
+
+/* Seals every memfd segment carries before its fd leaves the process. */
+#define FL_SEG_SEALS (F_SEAL_SHRINK | F_SEAL_GROW)
 
 /* Create a segment of `size` bytes with every page reserved up front (fallocate),
  * so that memory exhaustion is an ENOSPC/ENOMEM here and never a SIGBUS later.

@@ -281,3 +281,31 @@ def test_fork_inherits_only_the_slots_of_live_batches():
 def _report_maps(inode, conn):
     conn.send(maps_of_inode("self", inode))
     conn.close()
+
+
+def test_a_received_segment_cannot_be_shrunk_or_grown():
+    """memfd segments are sealed before their fd is sent: anything holding the fd
+    (a worker, or what it hands the fd to) cannot truncate the pages under the
+    main process's mapping (which would SIGBUS it)."""
+    import errno
+
+    loader = DataLoader(OneBigSample(1 << 20, n=2), batch_size=None, num_workers=1,
+                        sharing_strategy="file_descriptor", multiprocessing_context="fork")
+    it = iter(loader)
+    batch = next(it)
+    (addr, _size), = it.segments()
+    start, end, _ = vma_of(addr)
+    fd = os.open(f"/proc/self/map_files/{start:x}-{end:x}", os.O_RDWR)
+    try:
+        for new_size in (0, end - start - 4096, end - start + (1 << 20)):
+            with pytest.raises(OSError) as info:
+                os.ftruncate(fd, new_size)
+            assert info.value.errno == errno.EPERM, info.value
+    finally:
+        os.close(fd)
+    assert float(batch[0]) == 0.0
+    del batch
+    for _batch in it:
+        pass
+    del _batch, it, loader
+    gc.collect()
