@@ -16,6 +16,7 @@ pickled).
 """
 from __future__ import annotations
 
+import fcntl
 import io
 import mmap
 import os
@@ -79,7 +80,8 @@ class SharedPickle:
 
     def __init__(self, blob: bytes):
         self.size = len(blob)
-        self.fd = os.memfd_create("fastloader-payload", os.MFD_CLOEXEC)
+        self.fd = os.memfd_create("fastloader-payload",
+                                  os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             # Reserve the pages first: running out of memory is then a MemoryError
             # here, naming the size, not an OSError half-way or a SIGBUS later.
@@ -93,6 +95,9 @@ class SharedPickle:
             view = memoryview(blob)
             while view:
                 view = view[os.write(self.fd, view):]
+            # final: no holder of the fd can resize or rewrite it under a worker's map
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+                        | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL)
         except BaseException:
             os.close(self.fd)
             raise
