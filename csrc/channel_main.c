@@ -649,13 +649,14 @@ mainchan_stats(MainChannelObject *c, PyObject *Py_UNUSED(ignored))
         a_resv = atomic_load(&c->ctl->arena_reserved);
     }
     return Py_BuildValue(
-        "{s:K,s:K,s:K,s:K,s:K,s:K,s:I,s:K,s:K,s:d,s:d,s:K,s:K}", "arena_bytes",
+        "{s:K,s:K,s:K,s:K,s:K,s:K,s:I,s:K,s:K,s:K,s:d,s:d,s:K,s:K}", "arena_bytes",
         (unsigned long long)a_bytes, "arena_reserved_bytes", (unsigned long long)a_resv,
         "received",
         (unsigned long long)c->n_batches, "received_in_slots", (unsigned long long)c->n_slot,
         "received_in_overflow", (unsigned long long)c->n_overflow, "arenas",
         (unsigned long long)c->n_arenas, "slots", c->arena_nslots, "slot_size",
         (unsigned long long)c->arena_slot_size, "slots_held", (unsigned long long)c->held,
+        "slots_retired", (unsigned long long)c->n_retired,
         "busy_s", (double)busy * 1e-9, "idle_s", (double)idle * 1e-9, "published",
         (unsigned long long)published, "overflow_segments", (unsigned long long)overflowed);
 }

@@ -23,6 +23,9 @@ struct SegmentObject {
     uint32_t nparts;
     size_t part_size;
     uint32_t *live;
+    /* parts a fork inherited while a batch lived in them: a child may still read
+     * them, so they are never handed back to the worker for reuse (retired) */
+    uint8_t *inherited;
     SegmentObject *prev, *next;   /* every batch mapping of this process */
 };
 
@@ -61,6 +64,7 @@ struct MainChannelObject {
     uint32_t arena_nslots;
     uint64_t n_batches, n_slot, n_overflow, n_arenas;
     uint64_t held;       /* slots of the current arena the consumer still holds */
+    uint64_t n_retired;  /* slots never handed back: a fork inherited their batch */
 };
 
 typedef struct {
@@ -102,6 +106,8 @@ SegmentObject *fl_segment_new_batch(fl_state *st, void *addr, size_t size, uint3
 /* A batch now points into / stopped pointing into part `part` of `seg`. */
 void fl_segment_hold(SegmentObject *seg, uint32_t part);
 void fl_segment_release(SegmentObject *seg, uint32_t part);
+/* Did a fork inherit this part while a batch lived in it? */
+int fl_segment_inherited(const SegmentObject *seg, uint32_t part);
 /* Register (once per process) the os.register_at_fork hook that applies the above. */
 int fl_fork_guard_install(void);
 /* module-level functions implemented beside MainChannel */
