@@ -106,7 +106,7 @@ mainchan_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         goto fail;
     c->ctl = addr;
     fl_seg_dontfork(addr, c->ctl_size);   /* workers map it themselves */
-    fl_ctl_init(c->ctl, (uint32_t)wid, task_cap, res_cap, free_cap);
+    fl_ctl_init(&c->ring, c->ctl, (uint32_t)wid, task_cap, res_cap, free_cap);
     if (strategy == FL_STRATEGY_FS)
         close_fd(&c->ctl_fd);   /* the worker opens it by name */
 
@@ -267,10 +267,10 @@ mainchan_put_index(MainChannelObject *c, PyObject *const *args, Py_ssize_t nargs
             PyErr_Clear();
             Py_RETURN_FALSE;
         }
-        if (fl_task_reserve(c->ctl, 8, &p) != FL_OK)
+        if (fl_task_reserve(&c->ring, 8, &p) != FL_OK)
             return fl_raise(FL_FULL, 0, "sending a task");
         memcpy(p, &v, 8);
-        fl_task_commit(c->ctl, FL_TASK_INDEX, seq, 8);
+        fl_task_commit(&c->ring, FL_TASK_INDEX, seq, 8);
         wake_worker(c);
         Py_RETURN_TRUE;
     }
@@ -285,16 +285,16 @@ mainchan_put_index(MainChannelObject *c, PyObject *const *args, Py_ssize_t nargs
     }
     if (all_none) {
         int64_t cnt = n;
-        if (fl_task_reserve(c->ctl, 8, &p) != FL_OK)
+        if (fl_task_reserve(&c->ring, 8, &p) != FL_OK)
             return fl_raise(FL_FULL, 0, "sending a task");
         memcpy(p, &cnt, 8);
-        fl_task_commit(c->ctl, FL_TASK_NONES, seq, 8);
+        fl_task_commit(&c->ring, FL_TASK_NONES, seq, 8);
         wake_worker(c);
         Py_RETURN_TRUE;
     }
     if (!all_int)
         Py_RETURN_FALSE;
-    if (fl_task_reserve(c->ctl, (uint64_t)n * 8, &p) != FL_OK)
+    if (fl_task_reserve(&c->ring, (uint64_t)n * 8, &p) != FL_OK)
         Py_RETURN_FALSE;   /* too large for the ring: the pickle path reports it */
     for (Py_ssize_t i = 0; i < n; i++) {
         int ovf;
@@ -305,7 +305,7 @@ mainchan_put_index(MainChannelObject *c, PyObject *const *args, Py_ssize_t nargs
         }
         memcpy(p + 8 * i, &v, 8);
     }
-    fl_task_commit(c->ctl, FL_TASK_INDICES, seq, (uint64_t)n * 8);
+    fl_task_commit(&c->ring, FL_TASK_INDICES, seq, (uint64_t)n * 8);
     wake_worker(c);
     Py_RETURN_TRUE;
 }
@@ -327,17 +327,21 @@ mainchan_put_task(MainChannelObject *c, PyObject *args)
         PyBuffer_Release(&buf);
         return PyErr_Format(PyExc_ValueError, "fastloader: channel is closed");
     }
-    int code = fl_task_reserve(c->ctl, (uint64_t)buf.len, &p);
+    int code = fl_task_reserve(&c->ring, (uint64_t)buf.len, &p);
+    if (code == FL_CORRUPT) {
+        PyBuffer_Release(&buf);
+        return fl_raise(code, 0, "sending a task");
+    }
     if (code != FL_OK) {
         PyBuffer_Release(&buf);
         return PyErr_Format(PyExc_ValueError,
                             "fastloader: a task of %zd bytes does not fit the task ring "
                             "(%llu bytes); use a smaller batch of indices",
-                            buf.len, (unsigned long long)c->ctl->task_cap);
+                            buf.len, (unsigned long long)c->ring.task_cap);
     }
     if (buf.len)
         memcpy(p, buf.buf, (size_t)buf.len);
-    fl_task_commit(c->ctl, kind, seq, (uint64_t)buf.len);
+    fl_task_commit(&c->ring, kind, seq, (uint64_t)buf.len);
     PyBuffer_Release(&buf);
     wake_worker(c);
     Py_RETURN_NONE;
@@ -520,7 +524,7 @@ fl_recv(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         for (Py_ssize_t k = 0; k < n; k++) {
             MainChannelObject *c = (MainChannelObject *)PyTuple_GET_ITEM(chans, (prefer + k) % n);
             fl_result r;
-            int got = fl_res_pop(c->ctl, &r);
+            int got = fl_res_pop(&c->ring, &r);
             if (got < 0) {
                 fl_raise(FL_CORRUPT, 0, "reading the result ring");
                 goto done;
@@ -537,7 +541,7 @@ fl_recv(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             atomic_store(&c->ctl->main_waiting, 1);
         }
         for (Py_ssize_t k = 0; k < n && !any; k++)
-            any = !fl_res_empty(((MainChannelObject *)PyTuple_GET_ITEM(chans, k))->ctl);
+            any = !fl_res_empty(&((MainChannelObject *)PyTuple_GET_ITEM(chans, k))->ring);
         int slice = FL_SLICE_MS;
         if (timeout >= 0) {
             double left = deadline - now_s();
@@ -579,7 +583,7 @@ fl_recv(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                                         (c->pidfd < 0 && c->pid > 0 &&
                                          fl_proc_dead(c->pid, c->pidfd)));
                 /* a worker may publish and then die: deliver what it published first */
-                if (dead && fl_res_empty(c->ctl)) {
+                if (dead && fl_res_empty(&c->ring)) {
                     result = Py_BuildValue("(iLIOI)", c->worker_id, -1LL, 0u, Py_None, 0u);
                     goto clear_waiting;
                 }
@@ -701,7 +705,7 @@ mainchan_get_closed(MainChannelObject *c, void *Py_UNUSED(closure))
 static PyObject *
 mainchan_pending(MainChannelObject *c, PyObject *Py_UNUSED(ignored))
 {
-    return PyBool_FromLong(c->ctl != NULL && c->owner_pid == getpid() && !fl_res_empty(c->ctl));
+    return PyBool_FromLong(c->ctl != NULL && c->owner_pid == getpid() && !fl_res_empty(&c->ring));
 }
 
 static PyGetSetDef mainchan_getset[] = {

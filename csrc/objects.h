@@ -43,6 +43,7 @@ typedef struct {
 struct MainChannelObject {
     PyObject_HEAD
     fl_ctl *ctl;
+    fl_ring ring;        /* the rings' geometry, private (see ring.h) */
     size_t ctl_size;
     pid_t owner_pid;
     int worker_id;
@@ -70,6 +71,7 @@ struct MainChannelObject {
 typedef struct {
     PyObject_HEAD
     fl_ctl *ctl;
+    fl_ring ring;        /* the rings' geometry, private (see ring.h) */
     size_t ctl_size;
     int worker_id;
     int strategy;

@@ -223,7 +223,7 @@ owner_dealloc(OwnerObject *o)
         if (fl_segment_inherited(o->seg, o->slot))
             c->n_retired++;
         else
-            (void)fl_free_push(c->ctl, ((uint64_t)o->gen << 32) | o->slot);
+            (void)fl_free_push(&c->ring, ((uint64_t)o->gen << 32) | o->slot);
         if (o->gen == c->arena_gen && c->held > 0)
             c->held--;
     }
