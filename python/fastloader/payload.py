@@ -91,7 +91,8 @@ class SharedPickle:
             except OSError as exc:
                 raise MemoryError(
                     f"fastloader: creating a {self.size}-byte payload segment: "
-                    f"{exc.strerror}") from exc
+                    f"{exc.strerror} (shared memory is exhausted: /dev/shm, memfd pages "
+                    f"or a memory limit; see `python -m fastloader doctor`)") from exc
             view = memoryview(blob)
             while view:
                 view = view[os.write(self.fd, view):]
