@@ -98,7 +98,7 @@ mainchan_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         goto fail;
     c->ctl = addr;
     fl_shm_dontfork(addr, c->ctl_size);   /* workers map it themselves */
-    fl_ctl_init(c->ctl, (uint32_t)wid, task_cap, res_cap, free_cap);
+    fl_ctl_init(&c->ring, c->ctl, (uint32_t)wid, task_cap, res_cap, free_cap);
     if (strategy == FL_STRATEGY_FS)
         close_fd(&c->ctl_fd);   /* the worker opens it by name */
 
@@ -259,10 +259,10 @@ mainchan_put_index(MainChannelObject *c, PyObject *const *args, Py_ssize_t nargs
             PyErr_Clear();
             Py_RETURN_FALSE;
         }
-        if (fl_task_reserve(c->ctl, 8, &p) != FL_OK)
+        if (fl_task_reserve(&c->ring, 8, &p) != FL_OK)
             return fl_raise(FL_FULL, 0, "sending a task");
         memcpy(p, &v, 8);
-        fl_task_commit(c->ctl, FL_TASK_INDEX, seq, 8);
+        fl_task_commit(&c->ring, FL_TASK_INDEX, seq, 8);
         wake_worker(c);
         Py_RETURN_TRUE;
     }
@@ -277,16 +277,16 @@ mainchan_put_index(MainChannelObject *c, PyObject *const *args, Py_ssize_t nargs
     }
     if (all_none) {
         int64_t cnt = n;
-        if (fl_task_reserve(c->ctl, 8, &p) != FL_OK)
+        if (fl_task_reserve(&c->ring, 8, &p) != FL_OK)
             return fl_raise(FL_FULL, 0, "sending a task");
         memcpy(p, &cnt, 8);
-        fl_task_commit(c->ctl, FL_TASK_NONES, seq, 8);
+        fl_task_commit(&c->ring, FL_TASK_NONES, seq, 8);
         wake_worker(c);
         Py_RETURN_TRUE;
     }
     if (!all_int)
         Py_RETURN_FALSE;
-    if (fl_task_reserve(c->ctl, (uint64_t)n * 8, &p) != FL_OK)
+    if (fl_task_reserve(&c->ring, (uint64_t)n * 8, &p) != FL_OK)
         Py_RETURN_FALSE;   /* too large for the ring: the pickle path reports it */
     for (Py_ssize_t i = 0; i < n; i++) {
         int ovf;
@@ -297,7 +297,7 @@ mainchan_put_index(MainChannelObject *c, PyObject *const *args, Py_ssize_t nargs
         }
         memcpy(p + 8 * i, &v, 8);
     }
-    fl_task_commit(c->ctl, FL_TASK_INDICES, seq, (uint64_t)n * 8);
+    fl_task_commit(&c->ring, FL_TASK_INDICES, seq, (uint64_t)n * 8);
     wake_worker(c);
     Py_RETURN_TRUE;
 }
@@ -319,17 +319,21 @@ mainchan_put_task(MainChannelObject *c, PyObject *args)
         PyBuffer_Release(&buf);
         return PyErr_Format(PyExc_ValueError, "fastloader: channel is closed");
     }
-    int code = fl_task_reserve(c->ctl, (uint64_t)buf.len, &p);
+    int code = fl_task_reserve(&c->ring, (uint64_t)buf.len, &p);
+    if (code == FL_CORRUPT) {
+        PyBuffer_Release(&buf);
+        return fl_raise(code, 0, "sending a task");
+    }
     if (code != FL_OK) {
         PyBuffer_Release(&buf);
         return PyErr_Format(PyExc_ValueError,
                             "fastloader: a task of %zd bytes does not fit the task ring "
                             "(%llu bytes); use a smaller batch of indices",
-                            buf.len, (unsigned long long)c->ctl->task_cap);
+                            buf.len, (unsigned long long)c->ring.task_cap);
     }
     if (buf.len)
         memcpy(p, buf.buf, (size_t)buf.len);
-    fl_task_commit(c->ctl, kind, seq, (uint64_t)buf.len);
+    fl_task_commit(&c->ring, kind, seq, (uint64_t)buf.len);
     PyBuffer_Release(&buf);
     wake_worker(c);
     Py_RETURN_NONE;
@@ -354,8 +358,12 @@ map_segment(MainChannelObject *c, const fl_result *r, uint64_t size, void **addr
             close(fd);
             return FL_CORRUPT;
         }
+        /* unsealed, a same-uid process holding the fd could shrink it under our
+           mapping: every access would then be a SIGBUS */
+        int seals = fcntl(fd, F_GET_SEALS);
         struct stat sb;
-        if (fstat(fd, &sb) < 0 || (uint64_t)sb.st_size < size) {
+        if (seals < 0 || (seals & FL_SEG_SEALS) != FL_SEG_SEALS || fstat(fd, &sb) < 0 ||
+            (uint64_t)sb.st_size < size) {
             close(fd);
             return FL_CORRUPT;
         }
@@ -462,13 +470,14 @@ mainchan_stats(MainChannelObject *c, PyObject *Py_UNUSED(ignored))
         a_resv = atomic_load(&c->ctl->arena_reserved);
     }
     return Py_BuildValue(
-        "{s:K,s:K,s:K,s:K,s:K,s:K,s:I,s:K,s:K,s:d,s:d,s:K,s:K}", "arena_bytes",
+        "{s:K,s:K,s:K,s:K,s:K,s:K,s:I,s:K,s:K,s:K,s:d,s:d,s:K,s:K}", "arena_bytes",
         (unsigned long long)a_bytes, "arena_reserved_bytes", (unsigned long long)a_resv,
         "received",
         (unsigned long long)c->n_batches, "received_in_slots", (unsigned long long)c->n_slot,
         "received_in_overflow", (unsigned long long)c->n_overflow, "arenas",
         (unsigned long long)c->n_arenas, "slots", c->arena_nslots, "slot_size",
         (unsigned long long)c->arena_slot_size, "slots_held", (unsigned long long)c->held,
+        "slots_retired", (unsigned long long)c->n_retired,
         "busy_s", (double)busy * 1e-9, "idle_s", (double)idle * 1e-9, "published",
         (unsigned long long)published, "overflow_segments", (unsigned long long)overflowed);
 }

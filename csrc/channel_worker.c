@@ -88,7 +88,7 @@ workerchan_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     w->ctl = addr;
     if (w->strategy == FL_STRATEGY_FS)
         shm_unlink(ctl_name);   /* both sides have mapped it */
-    if (fl_ctl_check(w->ctl, w->ctl_size) != FL_OK) {
+    if (fl_ring_attach(&w->ring, w->ctl, w->ctl_size) != FL_OK) {
         fl_raise(FL_CORRUPT, 0, "attaching to the control block");
         goto fail_py;
     }
@@ -135,7 +135,7 @@ static void
 drain_frees(WorkerChannelObject *w)
 {
     uint64_t v;
-    while (fl_free_pop(w->ctl, &v) > 0) {
+    while (fl_free_pop(&w->ring, &v) > 0) {
         uint32_t gen = (uint32_t)(v >> 32), slot = (uint32_t)v;
         if (gen == w->gen && w->busy != NULL && slot < w->nslots)
             w->busy[slot] = 0;
@@ -217,12 +217,12 @@ workerchan_get_task(WorkerChannelObject *w, PyObject *Py_UNUSED(ignored))
     for (;;) {
         fl_task_hdr h;
         const uint8_t *p;
-        int got = fl_task_peek(w->ctl, &h, &p);
+        int got = fl_task_peek(&w->ring, &h, &p);
         if (got < 0)
             return fl_raise(FL_CORRUPT, 0, "reading the task ring");
         if (got) {
             PyObject *idx = task_to_python(&h, p);
-            fl_task_pop(w->ctl, &h);
+            fl_task_pop(&w->ring, &h);
             w->last_task_ns = mono_ns();
             atomic_fetch_add_explicit(&w->ctl->idle_ns, w->last_task_ns - entered,
                                       memory_order_relaxed);
@@ -232,7 +232,7 @@ workerchan_get_task(WorkerChannelObject *w, PyObject *Py_UNUSED(ignored))
         }
         drain_frees(w);
         atomic_store(&w->ctl->worker_waiting, 1);
-        got = fl_task_peek(w->ctl, &h, &p);
+        got = fl_task_peek(&w->ring, &h, &p);
         if (got != 0) {
             atomic_store(&w->ctl->worker_waiting, 0);
             continue;
@@ -377,21 +377,13 @@ reserve_slot(WorkerChannelObject *w, uint32_t slot, size_t need, int *err)
     return FL_OK;
 }
 
-static int
-res_has_room(fl_ctl *c)
-{
-    uint64_t head = atomic_load_explicit(&c->res_head, memory_order_relaxed);
-    uint64_t tail = atomic_load_explicit(&c->res_tail, memory_order_acquire);
-    return head - tail < c->res_cap;
-}
-
 /* file_descriptor strategy: send a segment's fd right before the result that
  * names it, once nothing can fail between the two (the result has room), so the
  * main process always pairs an fd with its own result. */
 static int
 send_seg_fd(WorkerChannelObject *w, int fd, uint64_t id, uint64_t size, int *err)
 {
-    if (!res_has_room(w->ctl))
+    if (!fl_res_has_room(&w->ring))
         return FL_FULL;
     fl_fdmsg m = {id, size};
     return fl_send_fd(w->sock, fd, &m, err);
@@ -434,7 +426,7 @@ make_overflow(WorkerChannelObject *w, size_t need, uint8_t **addr, size_t *size,
 static int
 push_result(WorkerChannelObject *w, const fl_result *r)
 {
-    int code = fl_res_push(w->ctl, r);
+    int code = fl_res_push(&w->ring, r);
     if (code != FL_OK)
         return code;
     fl_wake(&w->ctl->main_waiting, w->efd_main);

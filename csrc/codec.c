@@ -1053,6 +1053,8 @@ dec_items(dec *d, Py_ssize_t n, int depth, int as_list)
     return c;
 }
 
+static PyObject *dec_tagged(dec *d, uint8_t tag, int depth);
+
 static PyObject *
 dec_obj(dec *d, int depth)
 {
@@ -1061,6 +1063,13 @@ dec_obj(dec *d, int depth)
         return corrupt("nesting");
     if (take(d, &tag, 1) < 0)
         return NULL;
+    return dec_tagged(d, tag, depth);
+}
+
+/* `tag` was already taken (read once) from the stream */
+static PyObject *
+dec_tagged(dec *d, uint8_t tag, int depth)
+{
     switch (tag) {
     case T_NONE: Py_RETURN_NONE;
     case T_FALSE: Py_RETURN_FALSE;
@@ -1166,10 +1175,16 @@ dec_obj(dec *d, int depth)
     case T_TENSOR_VIEW:
         return dec_tensor_view(d);
     case T_MEMO: {
-        /* a memo marks one real node: a chain of marks would recurse without depth */
-        if (d->s < d->end && (*d->s == T_MEMO || *d->s == T_REF))
+        /* a memo marks one real node: a chain of marks would recurse without depth.
+           The marked node's tag is taken once into private memory and dispatched
+           from there, so a concurrent writer cannot turn it into another mark
+           between the check and the decode. */
+        uint8_t inner;
+        if (take(d, &inner, 1) < 0)
+            return NULL;
+        if (inner == T_MEMO || inner == T_REF)
             return corrupt("object memo");
-        PyObject *v = dec_obj(d, depth);
+        PyObject *v = dec_tagged(d, inner, depth);
         if (v == NULL)
             return NULL;
         if (d->nmemo == d->memocap) {

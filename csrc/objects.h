@@ -25,6 +25,9 @@ struct SegmentObject {
     uint32_t nparts;
     size_t part_size;
     uint32_t *live;
+    /* parts a fork inherited while a batch lived in them: a child may still read
+     * them, so they are never handed back to the worker for reuse (retired) */
+    uint8_t *inherited;
     SegmentObject *prev, *next;   /* every batch mapping of this process */
 };
 
@@ -42,6 +45,7 @@ typedef struct {
 struct MainChannelObject {
     PyObject_HEAD
     fl_ctl *ctl;
+    fl_ring ring;        /* the rings' geometry, private (see ring.h) */
     size_t ctl_size;
     pid_t owner_pid;
     int worker_id;
@@ -63,11 +67,13 @@ struct MainChannelObject {
     uint32_t arena_nslots;
     uint64_t n_batches, n_slot, n_overflow, n_arenas;
     uint64_t held;       /* slots of the current arena the consumer still holds */
+    uint64_t n_retired;  /* slots never handed back: a fork inherited their batch */
 };
 
 typedef struct {
     PyObject_HEAD
     fl_ctl *ctl;
+    fl_ring ring;        /* the rings' geometry, private (see ring.h) */
     size_t ctl_size;
     int worker_id;
     int strategy;
@@ -104,6 +110,8 @@ SegmentObject *fl_segment_new_batch(fl_state *st, void *addr, size_t size, uint3
 /* A batch now points into / stopped pointing into part `part` of `seg`. */
 void fl_segment_hold(SegmentObject *seg, uint32_t part);
 void fl_segment_release(SegmentObject *seg, uint32_t part);
+/* Did a fork inherit this part while a batch lived in it? */
+int fl_segment_inherited(const SegmentObject *seg, uint32_t part);
 /* Register (once per process) the os.register_at_fork hook that applies the above. */
 int fl_fork_guard_install(void);
 /* The one BatchOwner constructor: it references `seg` (and `chan`, NULL for

@@ -64,7 +64,7 @@ fl_recv(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         for (Py_ssize_t k = 0; k < n; k++) {
             MainChannelObject *c = (MainChannelObject *)PyTuple_GET_ITEM(chans, (prefer + k) % n);
             fl_result r;
-            int got = fl_res_pop(c->ctl, &r);
+            int got = fl_res_pop(&c->ring, &r);
             if (got < 0) {
                 fl_raise(FL_CORRUPT, 0, "reading the result ring");
                 goto done;
@@ -81,7 +81,7 @@ fl_recv(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             atomic_store(&c->ctl->main_waiting, 1);
         }
         for (Py_ssize_t k = 0; k < n && !any; k++)
-            any = !fl_res_empty(((MainChannelObject *)PyTuple_GET_ITEM(chans, k))->ctl);
+            any = !fl_res_empty(&((MainChannelObject *)PyTuple_GET_ITEM(chans, k))->ring);
         int slice = FL_SLICE_MS;
         if (timeout >= 0) {
             double left = deadline - now_s();
@@ -123,7 +123,7 @@ fl_recv(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                                         (c->pidfd < 0 && c->pid > 0 &&
                                          fl_proc_dead(c->pid, c->pidfd)));
                 /* a worker may publish and then die: deliver what it published first */
-                if (dead && fl_res_empty(c->ctl)) {
+                if (dead && fl_res_empty(&c->ring)) {
                     result = Py_BuildValue("(iLIOI)", c->worker_id, FL_SEQ_DEAD,
                                            (unsigned)FL_RES_DEAD, Py_None,
                                            (unsigned)FL_WHERE_NONE);

@@ -15,10 +15,32 @@ fl_ctl_layout(uint64_t task_cap, uint32_t res_cap, uint32_t free_cap)
     return FL_ALIGN_UP(off, 4096);
 }
 
+static int
+is_pow2(uint64_t v)
+{
+    return v && !(v & (v - 1));
+}
+
+static void
+ring_set(fl_ring *g, fl_ctl *c, uint64_t task_cap, uint32_t res_cap, uint32_t free_cap,
+         uint64_t res_off, uint64_t free_off, uint64_t task_off)
+{
+    g->ctl = c;
+    g->task_cap = task_cap;
+    g->res_cap = res_cap;
+    g->free_cap = free_cap;
+    g->results = (fl_result *)((uint8_t *)c + res_off);
+    g->frees = (uint64_t *)((uint8_t *)c + free_off);
+    g->tasks = (uint8_t *)c + task_off;
+}
+
 void
-fl_ctl_init(fl_ctl *c, uint32_t worker_id, uint64_t task_cap, uint32_t res_cap,
+fl_ctl_init(fl_ring *g, fl_ctl *c, uint32_t worker_id, uint64_t task_cap, uint32_t res_cap,
             uint32_t free_cap)
 {
+    uint64_t res_off = FL_ALIGN_UP(sizeof(fl_ctl), FL_CL);
+    uint64_t free_off = res_off + FL_ALIGN_UP((size_t)res_cap * sizeof(fl_result), FL_CL);
+    uint64_t task_off = free_off + FL_ALIGN_UP((size_t)free_cap * sizeof(uint64_t), FL_CL);
     memset(c, 0, sizeof(*c));
     c->magic = FL_CTL_MAGIC;
     c->version = FL_CTL_VERSION;
@@ -26,50 +48,64 @@ fl_ctl_init(fl_ctl *c, uint32_t worker_id, uint64_t task_cap, uint32_t res_cap,
     c->task_cap = task_cap;
     c->res_cap = res_cap;
     c->free_cap = free_cap;
-    c->res_off = FL_ALIGN_UP(sizeof(fl_ctl), FL_CL);
-    c->free_off = c->res_off + FL_ALIGN_UP((size_t)res_cap * sizeof(fl_result), FL_CL);
-    c->task_off = c->free_off + FL_ALIGN_UP((size_t)free_cap * sizeof(uint64_t), FL_CL);
+    c->res_off = res_off;
+    c->free_off = free_off;
+    c->task_off = task_off;
     c->total = fl_ctl_layout(task_cap, res_cap, free_cap);
-}
-
-static int
-is_pow2(uint64_t v)
-{
-    return v && !(v & (v - 1));
+    ring_set(g, c, task_cap, res_cap, free_cap, res_off, free_off, task_off);
 }
 
 int
-fl_ctl_check(const fl_ctl *c, size_t mapped)
+fl_ring_attach(fl_ring *g, fl_ctl *c, size_t mapped)
 {
-    if (c->magic != FL_CTL_MAGIC || c->version != FL_CTL_VERSION)
+    /* each field read once, through a volatile access, into private memory */
+    const volatile fl_ctl *v = c;
+    uint32_t magic = v->magic, version = v->version;
+    uint64_t task_cap = v->task_cap;
+    uint32_t res_cap = v->res_cap, free_cap = v->free_cap;
+    uint64_t res_off = v->res_off, free_off = v->free_off, task_off = v->task_off;
+    uint64_t hdr = FL_ALIGN_UP(sizeof(fl_ctl), FL_CL);
+    if (magic != FL_CTL_MAGIC || version != FL_CTL_VERSION)
         return FL_CORRUPT;
-    if (!is_pow2(c->task_cap) || !is_pow2(c->res_cap) || !is_pow2(c->free_cap))
+    if (!is_pow2(task_cap) || !is_pow2(res_cap) || !is_pow2(free_cap) || mapped < hdr)
         return FL_CORRUPT;
-    if (c->total > mapped || c->task_off + c->task_cap > c->total)
+    /* every region inside the mapping, after the header, offsets aligned; the
+     * capacities are bounded by `mapped` first, so the products cannot overflow */
+    uint64_t room = (uint64_t)mapped;
+    if (task_cap > room || res_cap > room / sizeof(fl_result) ||
+        free_cap > room / sizeof(uint64_t))
         return FL_CORRUPT;
+    if (res_off % FL_CL || free_off % FL_CL || task_off % FL_CL)
+        return FL_CORRUPT;
+    if (res_off < hdr || res_off > room || room - res_off < res_cap * sizeof(fl_result) ||
+        free_off < hdr || free_off > room ||
+        room - free_off < free_cap * sizeof(uint64_t) || task_off < hdr ||
+        task_off > room || room - task_off < task_cap)
+        return FL_CORRUPT;
+    ring_set(g, c, task_cap, res_cap, free_cap, res_off, free_off, task_off);
     return FL_OK;
 }
 
-#define TASKS(c) ((uint8_t *)(c) + (c)->task_off)
-#define RESULTS(c) ((fl_result *)((uint8_t *)(c) + (c)->res_off))
-#define FREES(c) ((uint64_t *)((uint8_t *)(c) + (c)->free_off))
-
 /* The producer (main) is the only writer of task_head, so it can keep the
  * reservation in the record itself: reserve writes padding when the record would
- * wrap, and commit publishes head. */
+ * wrap, and commit publishes head. Records are multiples of 32 bytes, so a head
+ * that is not is corrupt (and would leave no room for a header before the end). */
 int
-fl_task_reserve(fl_ctl *c, uint64_t payload_len, uint8_t **payload_out)
+fl_task_reserve(const fl_ring *g, uint64_t payload_len, uint8_t **payload_out)
 {
+    fl_ctl *c = g->ctl;
     uint64_t need = FL_ALIGN_UP(sizeof(fl_task_hdr) + payload_len, 32);
     uint64_t head = atomic_load_explicit(&c->task_head, memory_order_relaxed);
     uint64_t tail = atomic_load_explicit(&c->task_tail, memory_order_acquire);
-    uint64_t pos = head & (c->task_cap - 1);
-    uint64_t to_end = c->task_cap - pos;
+    if (head % 32 || head - tail > g->task_cap)
+        return FL_CORRUPT;
+    uint64_t pos = head & (g->task_cap - 1);
+    uint64_t to_end = g->task_cap - pos;
     uint64_t pad = to_end < need ? to_end : 0;
-    if (need > c->task_cap / 2 || (head - tail) + pad + need > c->task_cap)
+    if (need > g->task_cap / 2 || (head - tail) + pad + need > g->task_cap)
         return FL_FULL;
     if (pad) {
-        fl_task_hdr *h = (fl_task_hdr *)(TASKS(c) + pos);
+        fl_task_hdr *h = (fl_task_hdr *)(g->tasks + pos);
         h->len = (uint32_t)pad;
         h->kind = FL_TASK_PAD;
         h->seq = -1;
@@ -77,106 +113,132 @@ fl_task_reserve(fl_ctl *c, uint64_t payload_len, uint8_t **payload_out)
         atomic_store_explicit(&c->task_head, head + pad, memory_order_release);
         pos = 0;
     }
-    *payload_out = TASKS(c) + pos + sizeof(fl_task_hdr);
+    *payload_out = g->tasks + pos + sizeof(fl_task_hdr);
     return FL_OK;
 }
 
 void
-fl_task_commit(fl_ctl *c, uint32_t kind, int64_t seq, uint64_t payload_len)
+fl_task_commit(const fl_ring *g, uint32_t kind, int64_t seq, uint64_t payload_len)
 {
+    fl_ctl *c = g->ctl;
     uint64_t head = atomic_load_explicit(&c->task_head, memory_order_relaxed);
-    fl_task_hdr *h = (fl_task_hdr *)(TASKS(c) + (head & (c->task_cap - 1)));
-    h->len = (uint32_t)FL_ALIGN_UP(sizeof(fl_task_hdr) + payload_len, 32);
+    uint64_t len = FL_ALIGN_UP(sizeof(fl_task_hdr) + payload_len, 32);
+    uint64_t pos = head & (g->task_cap - 1);
+    /* head moved under us since reserve (only a corrupt worker does that): write
+     * nothing, the worker finds the ring as it left it */
+    if (head % 32 || len > g->task_cap - pos)
+        return;
+    fl_task_hdr *h = (fl_task_hdr *)(g->tasks + pos);
+    h->len = (uint32_t)len;
     h->kind = kind;
     h->seq = seq;
     h->payload_len = payload_len;
-    atomic_store_explicit(&c->task_head, head + h->len, memory_order_release);
+    atomic_store_explicit(&c->task_head, head + len, memory_order_release);
 }
 
 int
-fl_task_peek(fl_ctl *c, fl_task_hdr *hdr, const uint8_t **payload)
+fl_task_peek(const fl_ring *g, fl_task_hdr *hdr, const uint8_t **payload)
 {
+    fl_ctl *c = g->ctl;
     for (;;) {
         uint64_t tail = atomic_load_explicit(&c->task_tail, memory_order_relaxed);
         uint64_t head = atomic_load_explicit(&c->task_head, memory_order_acquire);
         if (head == tail)
             return 0;
-        uint64_t pos = tail & (c->task_cap - 1);
-        if (c->task_cap - pos < sizeof(fl_task_hdr))
+        if (head - tail > g->task_cap)
             return FL_CORRUPT;
-        memcpy(hdr, TASKS(c) + pos, sizeof(*hdr));
-        if (hdr->len < sizeof(fl_task_hdr) || hdr->len > c->task_cap - pos ||
+        uint64_t pos = tail & (g->task_cap - 1);
+        if (g->task_cap - pos < sizeof(fl_task_hdr))
+            return FL_CORRUPT;
+        memcpy(hdr, g->tasks + pos, sizeof(*hdr));
+        if (hdr->len < sizeof(fl_task_hdr) || hdr->len > g->task_cap - pos ||
             hdr->len > head - tail || hdr->payload_len > hdr->len - sizeof(fl_task_hdr))
             return FL_CORRUPT;
         if (hdr->kind == FL_TASK_PAD) {
             atomic_store_explicit(&c->task_tail, tail + hdr->len, memory_order_release);
             continue;
         }
-        *payload = TASKS(c) + pos + sizeof(fl_task_hdr);
+        *payload = g->tasks + pos + sizeof(fl_task_hdr);
         return 1;
     }
 }
 
 void
-fl_task_pop(fl_ctl *c, const fl_task_hdr *hdr)
+fl_task_pop(const fl_ring *g, const fl_task_hdr *hdr)
 {
+    fl_ctl *c = g->ctl;
     uint64_t tail = atomic_load_explicit(&c->task_tail, memory_order_relaxed);
     atomic_store_explicit(&c->task_tail, tail + hdr->len, memory_order_release);
 }
 
 int
-fl_res_push(fl_ctl *c, const fl_result *r)
+fl_res_has_room(const fl_ring *g)
 {
+    fl_ctl *c = g->ctl;
     uint64_t head = atomic_load_explicit(&c->res_head, memory_order_relaxed);
     uint64_t tail = atomic_load_explicit(&c->res_tail, memory_order_acquire);
-    if (head - tail >= c->res_cap)
+    return head - tail < g->res_cap;
+}
+
+int
+fl_res_push(const fl_ring *g, const fl_result *r)
+{
+    fl_ctl *c = g->ctl;
+    uint64_t head = atomic_load_explicit(&c->res_head, memory_order_relaxed);
+    uint64_t tail = atomic_load_explicit(&c->res_tail, memory_order_acquire);
+    if (head - tail >= g->res_cap)
         return FL_FULL;
-    RESULTS(c)[head & (c->res_cap - 1)] = *r;
+    g->results[head & (g->res_cap - 1)] = *r;
     atomic_store_explicit(&c->res_head, head + 1, memory_order_release);
     return FL_OK;
 }
 
 int
-fl_res_pop(fl_ctl *c, fl_result *r)
+fl_res_pop(const fl_ring *g, fl_result *r)
 {
+    fl_ctl *c = g->ctl;
     uint64_t tail = atomic_load_explicit(&c->res_tail, memory_order_relaxed);
     uint64_t head = atomic_load_explicit(&c->res_head, memory_order_acquire);
     if (head == tail)
         return 0;
-    if (head - tail > c->res_cap)
+    if (head - tail > g->res_cap)
         return FL_CORRUPT;
-    *r = RESULTS(c)[tail & (c->res_cap - 1)];
+    *r = g->results[tail & (g->res_cap - 1)];
     atomic_store_explicit(&c->res_tail, tail + 1, memory_order_release);
     return 1;
 }
 
 int
-fl_res_empty(fl_ctl *c)
+fl_res_empty(const fl_ring *g)
 {
-    return atomic_load_explicit(&c->res_head, memory_order_acquire) ==
-           atomic_load_explicit(&c->res_tail, memory_order_relaxed);
+    return atomic_load_explicit(&g->ctl->res_head, memory_order_acquire) ==
+           atomic_load_explicit(&g->ctl->res_tail, memory_order_relaxed);
 }
 
 int
-fl_free_push(fl_ctl *c, uint64_t v)
+fl_free_push(const fl_ring *g, uint64_t v)
 {
+    fl_ctl *c = g->ctl;
     uint64_t head = atomic_load_explicit(&c->free_head, memory_order_relaxed);
     uint64_t tail = atomic_load_explicit(&c->free_tail, memory_order_acquire);
-    if (head - tail >= c->free_cap)
+    if (head - tail >= g->free_cap)
         return FL_FULL;
-    FREES(c)[head & (c->free_cap - 1)] = v;
+    g->frees[head & (g->free_cap - 1)] = v;
     atomic_store_explicit(&c->free_head, head + 1, memory_order_release);
     return FL_OK;
 }
 
 int
-fl_free_pop(fl_ctl *c, uint64_t *v)
+fl_free_pop(const fl_ring *g, uint64_t *v)
 {
+    fl_ctl *c = g->ctl;
     uint64_t tail = atomic_load_explicit(&c->free_tail, memory_order_relaxed);
     uint64_t head = atomic_load_explicit(&c->free_head, memory_order_acquire);
     if (head == tail)
         return 0;
-    *v = FREES(c)[tail & (c->free_cap - 1)];
+    if (head - tail > g->free_cap)
+        return FL_CORRUPT;
+    *v = g->frees[tail & (g->free_cap - 1)];
     atomic_store_explicit(&c->free_tail, tail + 1, memory_order_release);
     return 1;
 }

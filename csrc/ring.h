@@ -68,24 +68,41 @@ typedef struct {
     _Atomic uint64_t arena_reserved;
 } fl_ctl;
 
+/* The rings' geometry, copied into each side's own memory when it attaches: the
+ * control block is writable by the other process, so its layout fields are read
+ * once (and checked) and never trusted again; every head/tail read from it is
+ * checked against these capacities before it indexes anything. */
+typedef struct {
+    fl_ctl *ctl;
+    uint8_t *tasks;
+    fl_result *results;
+    uint64_t *frees;
+    uint64_t task_cap;     /* bytes, power of two */
+    uint32_t res_cap;      /* entries, power of two */
+    uint32_t free_cap;     /* entries, power of two */
+} fl_ring;
+
 size_t fl_ctl_layout(uint64_t task_cap, uint32_t res_cap, uint32_t free_cap);
-void fl_ctl_init(fl_ctl *c, uint32_t worker_id, uint64_t task_cap, uint32_t res_cap,
-                 uint32_t free_cap);
-int fl_ctl_check(const fl_ctl *c, size_t mapped);
+/* Main process: lay out a fresh control block; `g` gets the geometry it chose. */
+void fl_ctl_init(fl_ring *g, fl_ctl *c, uint32_t worker_id, uint64_t task_cap,
+                 uint32_t res_cap, uint32_t free_cap);
+/* Worker: read the layout once from the `mapped`-byte block, check it, copy it. */
+int fl_ring_attach(fl_ring *g, fl_ctl *c, size_t mapped);
 
 /* tasks: reserve room for a payload, fill it, then commit */
-int fl_task_reserve(fl_ctl *c, uint64_t payload_len, uint8_t **payload_out);
-void fl_task_commit(fl_ctl *c, uint32_t kind, int64_t seq, uint64_t payload_len);
+int fl_task_reserve(const fl_ring *g, uint64_t payload_len, uint8_t **payload_out);
+void fl_task_commit(const fl_ring *g, uint32_t kind, int64_t seq, uint64_t payload_len);
 /* consumer side: returns 1 and points into the ring when a task is present */
-int fl_task_peek(fl_ctl *c, fl_task_hdr *hdr, const uint8_t **payload);
-void fl_task_pop(fl_ctl *c, const fl_task_hdr *hdr);
+int fl_task_peek(const fl_ring *g, fl_task_hdr *hdr, const uint8_t **payload);
+void fl_task_pop(const fl_ring *g, const fl_task_hdr *hdr);
 
-int fl_res_push(fl_ctl *c, const fl_result *r);
-int fl_res_pop(fl_ctl *c, fl_result *r);
-int fl_res_empty(fl_ctl *c);
+int fl_res_push(const fl_ring *g, const fl_result *r);
+int fl_res_has_room(const fl_ring *g);
+int fl_res_pop(const fl_ring *g, fl_result *r);
+int fl_res_empty(const fl_ring *g);
 
-int fl_free_push(fl_ctl *c, uint64_t v);
-int fl_free_pop(fl_ctl *c, uint64_t *v);
+int fl_free_push(const fl_ring *g, uint64_t v);
+int fl_free_pop(const fl_ring *g, uint64_t *v);
 
 /* After publishing: wake the other side if it sleeps (it set *waiting first). */
 void fl_wake(_Atomic uint32_t *waiting, int efd);

@@ -10,6 +10,7 @@
  * child can read them, and every other part is not. */
 #include "objects.h"
 #include "shm.h"
+#include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -30,6 +31,7 @@ fl_segment_new(fl_state *st, void *addr, size_t size)
     s->nparts = 0;
     s->part_size = 0;
     s->live = NULL;
+    s->inherited = NULL;
     s->prev = s->next = NULL;
     PyObject_GC_Track(s);
     return s;
@@ -42,7 +44,8 @@ fl_segment_new_batch(fl_state *st, void *addr, size_t size, uint32_t nparts, siz
     if (s == NULL)
         return NULL;
     s->live = PyMem_Calloc(nparts ? nparts : 1, sizeof(uint32_t));
-    if (s->live == NULL) {
+    s->inherited = PyMem_Calloc(nparts ? nparts : 1, 1);
+    if (s->live == NULL || s->inherited == NULL) {
         Py_DECREF(s);
         return (SegmentObject *)PyErr_NoMemory();
     }
@@ -61,6 +64,13 @@ fl_segment_hold(SegmentObject *seg, uint32_t part)
 {
     if (seg != NULL && seg->live != NULL && part < seg->nparts)
         seg->live[part]++;
+}
+
+int
+fl_segment_inherited(const SegmentObject *seg, uint32_t part)
+{
+    return seg != NULL && seg->inherited != NULL && part < seg->nparts &&
+           seg->inherited[part];
 }
 
 void
@@ -85,6 +95,11 @@ fork_prepare(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(ignored))
             uint32_t j = i + 1;
             while (j < s->nparts && (s->live[j] > 0) == keep)
                 j++;
+            /* The child may read these parts at any later time: the worker must
+             * never write into them again (marked before the fork: a failed fork
+             * only costs the slots). */
+            if (keep)
+                memset(s->inherited + i, 1, j - i);
             size_t off = (size_t)i * s->part_size;
             size_t end = j == s->nparts ? s->size : (size_t)j * s->part_size;
             if (off < s->size)
@@ -146,6 +161,7 @@ segment_dealloc(SegmentObject *s)
             s->next->prev = s->prev;
         PyMem_Free(s->live);
     }
+    PyMem_Free(s->inherited);
     if (s->addr != NULL && s->pid == getpid())
         munmap(s->addr, s->size);
     tp->tp_free(s);
@@ -207,7 +223,12 @@ owner_dealloc(OwnerObject *o)
      * still runs; the ring is lock-free, and deallocations are serialised by the GIL. */
     if (c != NULL && !c->closed && o->pid == getpid() && c->ctl != NULL &&
         o->slot != UINT32_MAX) {
-        (void)fl_free_push(c->ctl, ((uint64_t)o->gen << 32) | o->slot);
+        /* A slot a fork inherited with this batch in it stays busy for good (the
+         * child may still read it); the worker overflows when it has no free slot. */
+        if (fl_segment_inherited(o->seg, o->slot))
+            c->n_retired++;
+        else
+            (void)fl_free_push(&c->ring, ((uint64_t)o->gen << 32) | o->slot);
         if (o->gen == c->arena_gen && c->held > 0)
             c->held--;
     }

@@ -14,7 +14,7 @@ fl_shm_create(const char *name, size_t size, int reserve, int *fd_out, int *err)
 {
     int fd = -1;
     if (name == NULL)
-        fd = memfd_create("fastloader", MFD_CLOEXEC);
+        fd = memfd_create("fastloader", MFD_CLOEXEC | MFD_ALLOW_SEALING);
     else
         fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
     if (fd < 0)
@@ -27,6 +27,12 @@ fl_shm_create(const char *name, size_t size, int reserve, int *fd_out, int *err)
         errno = *err;
         goto fail;
     }
+    /* The size is final: sealed, no process holding the fd (a worker, or anything
+     * it hands the fd to) can shrink it under another's mapping (SIGBUS there).
+     * Reserving later within the size is still allowed. Named segments cannot be
+     * sealed; their readers check the size when they open them. */
+    if (name == NULL && fcntl(fd, F_ADD_SEALS, FL_SEG_SEALS) < 0)
+        goto fail;
     *fd_out = fd;
     return FL_OK;
 fail:

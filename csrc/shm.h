@@ -13,8 +13,12 @@
  * Packed arrays map their own shm files or regular files (PackedMapping). */
 #ifndef FL_SHM_H
 #define FL_SHM_H
+#include <fcntl.h>
 #include <stddef.h>
 #include <stdint.h>
+
+/* Seals every memfd segment carries before its fd leaves the process. */
+#define FL_SEG_SEALS (F_SEAL_SHRINK | F_SEAL_GROW)
 
 /* Create a segment of `size` bytes with every page reserved up front (fallocate),
  * so that memory exhaustion is an ENOSPC/ENOMEM here and never a SIGBUS later.

@@ -155,3 +155,19 @@ def test_a_chain_of_memo_marks_is_refused_without_deep_recursion():
     crafted = bytes(hdr) + chain + bytes(data_off - 64 - len(chain))
     with pytest.raises(ValueError, match="corrupt"):
         _core.decode(crafted)
+
+
+def test_a_memo_mark_before_a_reference_is_refused_and_deep_batches_still_decode():
+    # every compound node is memo-marked: the mark must not cost a nesting level
+    # (the encoder does not count it), and the marked node's tag is read once
+    deep = [1]
+    for _ in range(190):
+        deep = [deep]
+    assert _core.decode(_core.encode(deep)) == deep
+    blob = bytearray(_core.encode([[1], [1]]))
+    memo_tag = blob[64]
+    ref_at = blob.index(bytes([memo_tag]), 65)   # the inner list's mark
+    bad = bytearray(blob)
+    bad[ref_at + 1] = memo_tag                   # mark followed by a mark
+    with pytest.raises(ValueError, match="corrupt"):
+        _core.decode(bytes(bad))

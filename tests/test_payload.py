@@ -99,3 +99,32 @@ def test_a_worker_that_cannot_unpickle_the_dataset_is_reported():
                         multiprocessing_context="spawn")
     with pytest.raises(RuntimeError, match=r"DataLoader worker \d+ \(pid \d+\) exited unexpectedly"):
         next(iter(loader))
+
+
+def test_no_room_for_the_shared_pickle_is_a_memory_error_naming_the_size():
+    """memfds live on the kernel's internal tmpfs: a file-size limit (as a memory
+    cgroup limit would) makes reserving one fail. That must be a MemoryError at
+    creation naming the size, not an OSError half-way through writing."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = (
+        "import json, resource\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))\n"
+        "from fastloader import payload\n"
+        "try:\n"
+        "    payload.SharedPickle(b'x' * (4 << 20))\n"
+        "except BaseException as exc:\n"
+        "    print(json.dumps([type(exc).__name__, str(exc)]))\n"
+        "else:\n"
+        "    print(json.dumps([None, 'no exception']))\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [p for p in (os.environ.get("PYTHONPATH"), os.path.join(root, "python"), root) if p]))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    kind, message = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert kind == "MemoryError", (kind, message)
+    assert f"creating a {4 << 20}-byte payload segment" in message, message

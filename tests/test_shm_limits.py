@@ -217,18 +217,24 @@ def test_later_fork_inherits_no_arena_of_an_earlier_loader(strategy):
 def _sum_in_child(batch, conn):
     # numpy, not torch: torch's intra-op thread pool is not usable after a fork
     conn.send(float(batch.numpy().sum(dtype="float64")))
+    # then again once the parent dropped the batch and read on (the worker has
+    # reused every slot it could by then)
+    assert conn.recv() == "read again"
+    conn.send(float(batch.numpy().sum(dtype="float64")))
     conn.close()
 
 
 def test_a_batch_held_across_a_fork_stays_readable_in_the_child():
     """The one exception: slots that a live batch points into are inherited, so a
-    forked child reading a batch the parent kept sees its data (as with torch)."""
+    forked child reading a batch the parent kept sees its data (as with torch),
+    even after the parent dropped it and the worker went on building batches."""
     slot_bytes = 256 << 10
-    loader = DataLoader(Values(size=slot_bytes), batch_size=None, num_workers=1,
+    loader = DataLoader(Values(n=24, size=slot_bytes), batch_size=None, num_workers=1,
                         multiprocessing_context="fork")
     it = iter(loader)
     next(it)
     kept = next(it)                 # value 1.0 everywhere
+    want = float(kept.numel())
     addr, _ = it.segments()[0]
     inode = vma_of(addr)[2] if addr else 0
     ctx = multiprocessing.get_context("fork")
@@ -240,14 +246,24 @@ def test_a_batch_held_across_a_fork_stays_readable_in_the_child():
         assert parent.poll(60), "child did not answer"
         # the child may have died of SIGSEGV reading the batch: then poll() sees EOF
         got = parent.recv()
+        assert got == want, got
+        # the parent lets the batch go and reads on: its slot must not be reused
+        del kept
+        gc.collect()
+        seen = [float(b[0]) for b in it]
+        assert seen == [float(i) for i in range(2, 24)], seen
+        # its slot was retired: the others carried the rest of the epoch
+        w = it.stats(memory=False)["workers"][0]
+        assert w["slots_retired"] == 1, w
+        parent.send("read again")
+        assert parent.poll(60), "child did not answer"
+        got_later = parent.recv()
     finally:
         proc.join(60)
     assert proc.exitcode == 0
-    assert got == float(kept.numel()), got
-    del kept
-    for _batch in it:
-        pass
-    del _batch, it, loader
+    assert got_later == want, (f"the batch the child inherited changed under it once "
+                               f"the parent dropped it: sum {got_later}, not {want}")
+    del it, loader
     gc.collect()
     assert inode
 
@@ -281,3 +297,31 @@ def test_fork_inherits_only_the_slots_of_live_batches():
 def _report_maps(inode, conn):
     conn.send(maps_of_inode("self", inode))
     conn.close()
+
+
+def test_a_received_segment_cannot_be_shrunk_or_grown():
+    """memfd segments are sealed before their fd is sent: anything holding the fd
+    (a worker, or what it hands the fd to) cannot truncate the pages under the
+    main process's mapping (which would SIGBUS it)."""
+    import errno
+
+    loader = DataLoader(OneBigSample(1 << 20, n=2), batch_size=None, num_workers=1,
+                        sharing_strategy="file_descriptor", multiprocessing_context="fork")
+    it = iter(loader)
+    batch = next(it)
+    (addr, _size), = it.segments()
+    start, end, _ = vma_of(addr)
+    fd = os.open(f"/proc/self/map_files/{start:x}-{end:x}", os.O_RDWR)
+    try:
+        for new_size in (0, end - start - 4096, end - start + (1 << 20)):
+            with pytest.raises(OSError) as info:
+                os.ftruncate(fd, new_size)
+            assert info.value.errno == errno.EPERM, info.value
+    finally:
+        os.close(fd)
+    assert float(batch[0]) == 0.0
+    del batch
+    for _batch in it:
+        pass
+    del _batch, it, loader
+    gc.collect()

@@ -16,6 +16,7 @@ pickled).
 """
 from __future__ import annotations
 
+import fcntl
 import io
 import mmap
 import os
@@ -79,11 +80,25 @@ class SharedPickle:
 
     def __init__(self, blob: bytes):
         self.size = len(blob)
-        self.fd = os.memfd_create("fastloader-payload", os.MFD_CLOEXEC)
+        self.fd = os.memfd_create("fastloader-payload",
+                                  os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
+            # Reserve the pages first: running out of memory is then a MemoryError
+            # here, naming the size, not an OSError half-way or a SIGBUS later.
+            try:
+                if self.size:
+                    os.posix_fallocate(self.fd, 0, self.size)
+            except OSError as exc:
+                raise MemoryError(
+                    f"fastloader: creating a {self.size}-byte payload segment: "
+                    f"{exc.strerror} (shared memory is exhausted: /dev/shm, memfd pages "
+                    f"or a memory limit; see `python -m fastloader doctor`)") from exc
             view = memoryview(blob)
             while view:
                 view = view[os.write(self.fd, view):]
+            # final: no holder of the fd can resize or rewrite it under a worker's map
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+                        | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL)
         except BaseException:
             os.close(self.fd)
             raise
