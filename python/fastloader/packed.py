@@ -52,7 +52,7 @@ import uuid
 import weakref
 from typing import Any, Iterable, Optional, Union
 
-from . import _core
+from . import _core, shm_sweep
 from ._core import FastLoaderError
 
 __all__ = ["PackedStringArray", "PackedArray", "PackedFormatError", "load",
@@ -152,7 +152,10 @@ def _new_segment(strategy: str):
     if strategy == "file_descriptor":
         fd = os.memfd_create("fastloader-pack", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         return "memfd", fd, None
-    name = f"{_NAME_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    # pid + PID namespace, so that `doctor --clean` in another container sharing
+    # /dev/shm leaves it alone (see shm_sweep.py)
+    namespace = shm_sweep.pid_namespace() or shm_sweep.UNKNOWN_NAMESPACE
+    name = f"{_NAME_PREFIX}{os.getpid()}-{namespace}{uuid.uuid4().hex[:12]}"
     fd = os.open(os.path.join(_SHM_DIR, name),
                  os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     try:
