@@ -368,6 +368,27 @@ def test_series_numpy_object_arrays_and_python_strings_are_found(paths_frame):
     assert list(Holder().packed[:2]) == list(column[:2])
 
 
+def test_frames_in_dict_or_list_attributes_and_object_indexes_are_found(paths_frame):
+    pd = pytest.importorskip("pandas")
+    names = paths_frame["path"].tolist()
+
+    class Splits:
+        def __init__(self):
+            self.splits = {"train": paths_frame, "val": paths_frame.iloc[:10]}
+            self.frames = [paths_frame[["label"]], paths_frame[["path"]]]
+            self.lists = {"names": names}
+            self.index = pd.Index(names, dtype=object)
+            self.by_name = paths_frame.set_index("path")     # indexed by file name
+            self.numbers = pd.Index(np.arange(N_ROWS))       # int64: no objects
+
+    found = {f.path: f for f in find_heavy_metadata(Splits())}
+    assert set(found) == {"dataset.splits['train']['path']", "dataset.frames[1]['path']",
+                          "dataset.lists['names']", "dataset.index",
+                          "dataset.by_name.index"}, sorted(found)
+    assert all(f.all_str and f.items == N_ROWS for f in found.values())
+    assert found["dataset.index"].type_name == "pandas Index of Python objects"
+
+
 def test_arrow_backed_strings_are_not_reported():
     pd = pytest.importorskip("pandas")
     pytest.importorskip("pyarrow")
