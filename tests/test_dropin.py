@@ -257,7 +257,9 @@ def test_uninstall_leaves_a_later_patch_alone():
 
 
 @pytest.mark.parametrize("value,strategy", [("1", "file_descriptor"),
-                                            ("file_system", "file_system"), ("0", None)])
+                                            ("file_system", "file_system"), ("0", None),
+                                            ("false", None), ("No", None), ("OFF", None),
+                                            ("", None), ("TRUE", "file_descriptor")])
 def test_environment_variable_installs_at_import(subprocess_env, value, strategy):
     code = textwrap.dedent("""
         import torch, fastloader
@@ -272,10 +274,20 @@ def test_environment_variable_installs_at_import(subprocess_env, value, strategy
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=env, timeout=300)
     assert out.returncode == 0, out.stderr
+    assert "is not one of" not in out.stderr, out.stderr
     if strategy is None:
         assert out.stdout.split() == ["False", "_MultiProcessingDataLoaderIter", "False", "None"]
     else:
         assert out.stdout.split() == ["True", "FastMultiProcessingIter", "True", strategy]
+
+
+def test_unknown_environment_value_installs_and_warns(subprocess_env):
+    env = dict(subprocess_env, FASTLOADER_INSTALL="maybe", PYTHONWARNINGS="default")
+    out = subprocess.run([sys.executable, "-c", "import fastloader; print(fastloader.installed())"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True"]
+    assert "FASTLOADER_INSTALL='maybe' is not one of" in out.stderr, out.stderr
 
 
 @pytest.mark.parametrize("as_module", [False, True], ids=["script", "module"])
