@@ -8,6 +8,7 @@ the bounds are known to discriminate.
 """
 import copy
 import multiprocessing
+import errno
 import os
 import pickle
 import random
@@ -818,3 +819,27 @@ def test_a_python_list_shows_the_cost_the_bounds_catch(method, million_names):
     else:                  # unpickled at start-up: private from the beginning
         excess = [e - min(no_names_end(method)) for e in end]
         assert min(excess) > 4 * EXCESS_BOUND, f"list excess only {fmt(excess)}"
+
+
+def test_from_directory_error_names_the_root_as_given(tmp_path):
+    missing = tmp_path / "missing"
+    for root in (str(missing), missing):
+        with pytest.raises(FileNotFoundError) as info:
+            PackedStringArray.from_directory(root)
+        assert info.value.filename == str(missing) and info.value.errno == errno.ENOENT
+    with pytest.raises(FileNotFoundError) as info:
+        PackedStringArray.from_directory(os.fsencode(missing))
+    assert info.value.filename == os.fsencode(missing)   # bytes in, bytes out (as os.*)
+
+
+def test_save_errors_name_the_target_not_the_temporary_file(tmp_path):
+    target = tmp_path / "no_such_dir" / "names.fpk"
+    with pytest.raises(FileNotFoundError) as info:
+        PackedStringArray(["x"]).save(target)
+    assert info.value.filename == str(target) and info.value.filename2 is None
+    assert ".tmp" not in str(info.value) and str(target) in str(info.value)
+    (tmp_path / "a_dir.fpk").mkdir()   # os.replace over a directory fails
+    with pytest.raises(IsADirectoryError) as info:
+        PackedStringArray(["x"]).save(tmp_path / "a_dir.fpk")
+    assert info.value.filename == str(tmp_path / "a_dir.fpk") and ".tmp" not in str(info.value)
+    assert sorted(os.listdir(tmp_path)) == ["a_dir.fpk"]   # no temporary file left

@@ -469,11 +469,14 @@ class _PackedBase(_core.PackedView):
                 os.close(fd)
             os.replace(tmp, path)
             _fsync_directory(directory)   # and the rename too
-        except BaseException:
+        except BaseException as exc:
             try:
                 os.unlink(tmp)
             except FileNotFoundError:
                 pass
+            if isinstance(exc, OSError) and exc.filename in (tmp, path):
+                # the caller asked to write `path`: name it, not our temporary file
+                exc.filename, exc.filename2 = path, None
             raise
         finally:
             data.release()
@@ -561,10 +564,17 @@ class PackedStringArray(_PackedBase):
         Symbolic links count as what they point to (dangling ones are skipped);
         linked directories are entered with follow_symlinks (default, as torchvision's
         ImageFolder) but never twice on one path."""
-        root_b = os.fsencode(os.fspath(root))
+        root = os.fspath(root)
+        root_b = os.fsencode(root)
         suffix_t = _suffix_tuple(suffixes)
-        return _build(cls, lambda w: _core.packed_scan(w, root_b, b"", suffix_t,
-                                                        follow_symlinks), sharing_strategy)
+        try:
+            return _build(cls, lambda w: _core.packed_scan(w, root_b, b"", suffix_t,
+                                                            follow_symlinks), sharing_strategy)
+        except OSError as exc:
+            # the C scan works on bytes; name the path as the caller spelt it (os.* do)
+            if isinstance(root, str) and isinstance(exc.filename, bytes):
+                exc.filename = os.fsdecode(exc.filename)
+            raise
 
 
 class PackedArray(_PackedBase):
