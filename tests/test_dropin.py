@@ -1,6 +1,7 @@
 """Drop-in details that code written for torch's DataLoader relies on (issue 13):
 DataLoader[...] in annotations, iter(loader)._workers, fastloader.install() for the
 loaders frameworks build, and the copy-on-read warning for pandas / NumPy objects."""
+import multiprocessing.process
 import os
 import pickle
 import signal
@@ -21,6 +22,7 @@ from torch.utils.data.dataloader import _SingleProcessDataLoaderIter
 import fastloader
 from fastloader import DataLoader, FastLoaderWarning, WorkerError
 from fastloader.iterator import FastMultiProcessingIter
+from fastloader.worker_process import WorkerProcess
 from fastloader.metadata_warning import (HeavyMetadataWarning, _reset_once_registry,
                                          find_heavy_metadata)
 from tests import dropin_datasets as dd
@@ -119,6 +121,7 @@ def _workers_running(it, n):
         assert isinstance(w.pid, int) and psutil.Process(w.pid).ppid() == me
         assert w.is_alive() and w.exitcode is None and w.daemon is True
         assert isinstance(w.name, str) and w.name
+        assert isinstance(w, multiprocessing.process.BaseProcess)
     return workers
 
 
@@ -136,6 +139,22 @@ def test_workers_are_readable_during_and_after_the_epoch_as_with_torch(cls):
             w.join(30)
             assert not w.is_alive() and w.exitcode == 0
         assert not it._worker_pids_set and it._workers == workers
+
+
+def test_worker_process_is_a_base_process_that_cannot_restart():
+    with deadline(60):
+        it = iter(seeded(DataLoader, dd.WhoLoads()))
+        next(it)
+        w = it._workers[0]
+        assert isinstance(w, multiprocessing.process.BaseProcess) and type(w) is WorkerProcess
+        assert isinstance(w.authkey, bytes) and w.ident == w.pid
+        assert "WorkerProcess" in repr(w)
+        with pytest.raises(AssertionError, match="twice"):
+            w.start()
+        for _ in it:
+            pass
+        w.join(30)
+        assert w.exitcode == 0 and not w.is_alive()
 
 
 def test_a_worker_killed_through_its_pid_shows_its_exitcode():
