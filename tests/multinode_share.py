@@ -97,6 +97,12 @@ def run(scenario, rank, world, out_dir, tag):
             result["array"] = summary(fd.share_on_node(build))
     elif scenario == "different_builders":
         result["array"] = summary(fd.share_on_node(build if rank == 0 else other_build))
+    elif scenario == "different_partial_args":
+        # one function, different bound arguments: different data, so an error
+        split = "train" if rank == 0 else "val"
+        result["array"] = summary(fd.share_on_node(functools.partial(build, split)))
+    elif scenario == "same_partial_args":
+        result["array"] = summary(fd.share_on_node(functools.partial(build, tag=tag)))
     elif scenario == "missing":
         if rank == world - 1:   # never calls it; leaves once the others are done
             deadline = time.monotonic() + 120

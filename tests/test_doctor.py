@@ -132,7 +132,8 @@ def test_stale_segments_found_and_only_they_cleaned(subprocess_env, tmp_path):
     """Planted segments: detection judged in this process, `--clean` run in a fresh one
     (which must still see that this process maps one of them)."""
     dead = dead_pid()
-    tag = uuid.uuid4().hex[:8]   # concurrent runs on one machine must not collide
+    # concurrent runs on one machine must not collide; our PID namespace comes first
+    tag = fastloader.shm_sweep.pid_namespace() + uuid.uuid4().hex[:10]
     stale = f"fastloader-{dead}-{tag}-w0-s0"
     stale_torch = f"torch_{dead}_{tag}_0"
     live = f"fastloader-{os.getpid()}-{tag}-w0-s0"

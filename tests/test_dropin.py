@@ -1,6 +1,7 @@
 """Drop-in details that code written for torch's DataLoader relies on (issue 13):
 DataLoader[...] in annotations, iter(loader)._workers, fastloader.install() for the
 loaders frameworks build, and the copy-on-read warning for pandas / NumPy objects."""
+import multiprocessing.process
 import os
 import pickle
 import signal
@@ -21,6 +22,7 @@ from torch.utils.data.dataloader import _SingleProcessDataLoaderIter
 import fastloader
 from fastloader import DataLoader, FastLoaderWarning, WorkerError
 from fastloader.iterator import FastMultiProcessingIter
+from fastloader.worker_process import WorkerProcess
 from fastloader.metadata_warning import (HeavyMetadataWarning, _reset_once_registry,
                                          find_heavy_metadata)
 from tests import dropin_datasets as dd
@@ -119,6 +121,7 @@ def _workers_running(it, n):
         assert isinstance(w.pid, int) and psutil.Process(w.pid).ppid() == me
         assert w.is_alive() and w.exitcode is None and w.daemon is True
         assert isinstance(w.name, str) and w.name
+        assert isinstance(w, multiprocessing.process.BaseProcess)
     return workers
 
 
@@ -136,6 +139,22 @@ def test_workers_are_readable_during_and_after_the_epoch_as_with_torch(cls):
             w.join(30)
             assert not w.is_alive() and w.exitcode == 0
         assert not it._worker_pids_set and it._workers == workers
+
+
+def test_worker_process_is_a_base_process_that_cannot_restart():
+    with deadline(60):
+        it = iter(seeded(DataLoader, dd.WhoLoads()))
+        next(it)
+        w = it._workers[0]
+        assert isinstance(w, multiprocessing.process.BaseProcess) and type(w) is WorkerProcess
+        assert isinstance(w.authkey, bytes) and w.ident == w.pid
+        assert "WorkerProcess" in repr(w)
+        with pytest.raises(AssertionError, match="twice"):
+            w.start()
+        for _ in it:
+            pass
+        w.join(30)
+        assert w.exitcode == 0 and not w.is_alive()
 
 
 def test_a_worker_killed_through_its_pid_shows_its_exitcode():
@@ -257,7 +276,9 @@ def test_uninstall_leaves_a_later_patch_alone():
 
 
 @pytest.mark.parametrize("value,strategy", [("1", "file_descriptor"),
-                                            ("file_system", "file_system"), ("0", None)])
+                                            ("file_system", "file_system"), ("0", None),
+                                            ("false", None), ("No", None), ("OFF", None),
+                                            ("", None), ("TRUE", "file_descriptor")])
 def test_environment_variable_installs_at_import(subprocess_env, value, strategy):
     code = textwrap.dedent("""
         import torch, fastloader
@@ -272,10 +293,20 @@ def test_environment_variable_installs_at_import(subprocess_env, value, strategy
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=env, timeout=300)
     assert out.returncode == 0, out.stderr
+    assert "is not one of" not in out.stderr, out.stderr
     if strategy is None:
         assert out.stdout.split() == ["False", "_MultiProcessingDataLoaderIter", "False", "None"]
     else:
         assert out.stdout.split() == ["True", "FastMultiProcessingIter", "True", strategy]
+
+
+def test_unknown_environment_value_installs_and_warns(subprocess_env):
+    env = dict(subprocess_env, FASTLOADER_INSTALL="maybe", PYTHONWARNINGS="default")
+    out = subprocess.run([sys.executable, "-c", "import fastloader; print(fastloader.installed())"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True"]
+    assert "FASTLOADER_INSTALL='maybe' is not one of" in out.stderr, out.stderr
 
 
 @pytest.mark.parametrize("as_module", [False, True], ids=["script", "module"])
@@ -366,6 +397,27 @@ def test_series_numpy_object_arrays_and_python_strings_are_found(paths_frame):
     assert set(found) == {"dataset.series", "dataset.objects", "dataset.python_strings"}
     assert all(f.all_str and f.items == N_ROWS for f in found.values())
     assert list(Holder().packed[:2]) == list(column[:2])
+
+
+def test_frames_in_dict_or_list_attributes_and_object_indexes_are_found(paths_frame):
+    pd = pytest.importorskip("pandas")
+    names = paths_frame["path"].tolist()
+
+    class Splits:
+        def __init__(self):
+            self.splits = {"train": paths_frame, "val": paths_frame.iloc[:10]}
+            self.frames = [paths_frame[["label"]], paths_frame[["path"]]]
+            self.lists = {"names": names}
+            self.index = pd.Index(names, dtype=object)
+            self.by_name = paths_frame.set_index("path")     # indexed by file name
+            self.numbers = pd.Index(np.arange(N_ROWS))       # int64: no objects
+
+    found = {f.path: f for f in find_heavy_metadata(Splits())}
+    assert set(found) == {"dataset.splits['train']['path']", "dataset.frames[1]['path']",
+                          "dataset.lists['names']", "dataset.index",
+                          "dataset.by_name.index"}, sorted(found)
+    assert all(f.all_str and f.items == N_ROWS for f in found.values())
+    assert found["dataset.index"].type_name == "pandas Index of Python objects"
 
 
 def test_arrow_backed_strings_are_not_reported():

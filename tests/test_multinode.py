@@ -3,6 +3,7 @@
 Each scenario starts one process per rank (tests/multinode_share.py, gloo over
 loopback); every rank writes what it got or the error it raised. The two-host
 torchrun job (network namespaces) is in tests/test_multinode_hosts.py."""
+import functools
 import json
 import os
 import re
@@ -149,9 +150,57 @@ def test_different_builders_is_an_error_on_every_rank(tmp_path):
         assert reports[r]["error_type"] == "FastLoaderError", reports[r]
         msg = reports[r]["error"]
         assert "different builders" in msg
-        assert re.search(r"rank\(s\) 0: [\w.]+\.build;", msg), msg
+        assert re.search(r"rank\(s\) 0: [\w.]+\.build(\[args \w+\])?;", msg), msg
         assert re.search(r"rank\(s\) 1: [\w.]+\.other_build\)", msg), msg
         assert not reports[r]["built"]
+
+
+def test_partials_with_different_arguments_are_different_builders(tmp_path):
+    """partial(build, "train") on rank 0 and partial(build, "val") on rank 1 build
+    different data: an error on every rank, never rank 0's array handed to rank 1."""
+    reports, logs = run_ranks("different_partial_args", 2, tmp_path / "out")
+    assert sorted(reports) == [0, 1], logs
+    for r in range(2):
+        assert reports[r]["error_type"] == "FastLoaderError", reports[r]
+        msg = reports[r]["error"]
+        assert "different builders" in msg
+        assert re.search(r"rank\(s\) 0: [\w.]+\.build\[args \w+\];", msg), msg
+        assert re.search(r"rank\(s\) 1: [\w.]+\.build\[args \w+\]\)", msg), msg
+        assert not reports[r]["built"]
+
+
+def test_partials_with_equal_arguments_share_one_array(tmp_path):
+    reports, logs = run_ranks("same_partial_args", 2, tmp_path / "out", tag="part")
+    assert sorted(reports) == [0, 1], logs
+    for r in range(2):
+        expect_array(reports[r], tag="part")
+    assert [reports[r]["built"] for r in range(2)] == [True, False]
+
+
+def test_unpicklable_partial_arguments_ask_for_a_key():
+    import threading
+
+    import fastloader.distributed as fd
+
+    def build(lock):
+        return lock
+
+    with pytest.raises(TypeError, match=r"cannot be pickled.*pass key="):
+        fd._builder_name(functools.partial(build, threading.Lock()), None)
+    assert fd._builder_name(functools.partial(build, threading.Lock()), "index") == "index"
+    # set order differs between processes (hash randomisation): not a difference
+    code = ("import functools, fastloader.distributed as fd, tests.multinode_share as m; "
+            "print(fd._builder_name(functools.partial(m.build, {f's{i}' for i in range(50)}),"
+            " None))")
+    names = set()
+    for seed in ("1", "2", "3"):
+        env = dict(os.environ, PYTHONHASHSEED=seed,
+                   PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "python"), ROOT]))
+        out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, text=True,
+                             capture_output=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        names.add(out.stdout.strip())
+    assert len(names) == 1 and "[args " in names.pop()
 
 
 def test_rank_that_never_calls_is_named_after_the_timeout(tmp_path):

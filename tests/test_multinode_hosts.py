@@ -10,6 +10,7 @@ index per host, and after one rank is SIGKILLed mid-epoch and torchrun restarts
 the group (--max-restarts=1), resuming from loader.state_dict() yields exactly
 the batches of the uninterrupted run. Needs root and iproute2's `ip`; skips,
 saying why, where namespaces cannot be made."""
+import ctypes
 import json
 import os
 import shutil
@@ -35,16 +36,57 @@ def sh(*cmd, check=True):
 NS_PREFIX = "fl-mn-"
 
 
+def _kill_processes_in(ns):
+    """SIGKILL every process in network namespace `ns` (a killed run's torchrun
+    trees would otherwise outlive the deleted namespace)."""
+    for _ in range(20):
+        pids = [int(p) for p in sh("ip", "netns", "pids", ns, check=False).stdout.split()
+                if p.isdigit()]
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.1)
+
+
+def _delete_namespace(ns):
+    _kill_processes_in(ns)
+    sh("ip", "netns", "del", ns, check=False)
+
+
 def _remove_namespaces_of_dead_runs():
     """A run killed outright (SIGKILL) could not delete its namespaces: they carry
-    its pid, so a later run removes those whose process is gone."""
+    its pid, so a later run removes those whose process is gone, after killing
+    whatever still runs in them."""
     listing = sh("ip", "netns", "list", check=False).stdout.split()
     for name in listing:
         parts = name.split("-")
         if name.startswith(NS_PREFIX) and len(parts) == 4 and parts[2].isdigit():
             pid = int(parts[2])
             if pid != os.getpid() and not os.path.exists(f"/proc/{pid}"):
-                sh("ip", "netns", "del", name, check=False)
+                _delete_namespace(name)
+
+
+_PR_SET_PDEATHSIG = 1
+_LIBC = ctypes.CDLL(None, use_errno=True)
+
+
+def _die_with_parent(parent):
+    """preexec_fn: SIGKILL this child when the test process dies (even by SIGKILL),
+    so no torchrun tree outlives it. unshare --kill-child passes it on to the PID
+    namespace's init, whose death ends every process of the host."""
+    if _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0 or os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGKILL)   # cannot be tied to us, or already orphaned
+
+
+def start_tree(cmd, **kwargs):
+    """Popen in a new session that dies with this process."""
+    parent = os.getpid()
+    return subprocess.Popen(cmd, start_new_session=True,
+                            preexec_fn=lambda: _die_with_parent(parent), **kwargs)
 
 
 def _why_not():
@@ -104,7 +146,7 @@ class TwoHosts:
 
     def __exit__(self, *exc):
         for ns in self.ns:   # deleting a namespace deletes its end of the veth pair
-            sh("ip", "netns", "del", ns, check=False)
+            _delete_namespace(ns)
 
     def torchrun(self, host, args, env):
         """Start torchrun on `host` in its own UTS + PID namespace (so every
@@ -114,8 +156,8 @@ class TwoHosts:
                  f"torch.distributed.run {args}")
         cmd = ["ip", "netns", "exec", self.ns[host], "unshare", "--uts", "--pid", "--fork",
                "--mount", "--mount-proc", "--kill-child", "sh", "-c", inner]
-        return subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        return start_tree(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
 
 
 def run_job(hosts, mode, out_dir, timeout=240):
@@ -245,3 +287,63 @@ def test_elastic_restart_resumes_exactly(jobs):
             starts_by_attempt[i].append(s)
     for attempt in starts_by_attempt:   # a restarted host builds its index again
         one_index_per_host(attempt, hosts)
+
+
+# ---- no process outlives the test (review of branch lead) ---------------------------------------
+
+def test_started_tree_dies_with_the_test_process():
+    """A tree started like torchrun's (own session) is SIGKILLed when the process
+    that started it is SIGKILLed (pytest killed by CI's timeout)."""
+    code = ("import sys; from tests.test_multinode_hosts import start_tree; "
+            "import subprocess as s; p = start_tree(['sleep', '600'], stdout=s.DEVNULL); "
+            "print(p.pid, flush=True); sys.stdin.read()")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "python"), ROOT]))
+    stand_in = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    child = None
+    try:
+        child = int(stand_in.stdout.readline())
+        stand_in.kill()
+        stand_in.wait(30)
+        deadline = time.monotonic() + 20
+        while os.path.exists(f"/proc/{child}") and time.monotonic() < deadline:
+            with open(f"/proc/{child}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break   # dead, waiting for init to reap it
+            time.sleep(0.05)
+        else:
+            assert not os.path.exists(f"/proc/{child}"), "the tree outlived its starter"
+    finally:
+        if child is not None:
+            try:
+                os.kill(child, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if stand_in.poll() is None:
+            stand_in.kill()
+        stand_in.communicate(timeout=30)   # reaps it, closes its pipes
+
+
+def test_namespace_of_a_dead_run_is_removed_with_its_processes():
+    why_not = _why_not()
+    if why_not:
+        pytest.skip(why_not)
+    dead = next(p for p in range(4_000_000, 300, -1) if not os.path.exists(f"/proc/{p}"))
+    ns = f"{NS_PREFIX}{dead}-z"
+    sh("ip", "netns", "add", ns)
+    # what a run killed outright leaves: its namespace, and a process still in it
+    orphan = subprocess.Popen(["ip", "netns", "exec", ns, "sleep", "600"],
+                              start_new_session=True)
+    try:
+        deadline = time.monotonic() + 20
+        while not sh("ip", "netns", "pids", ns, check=False).stdout.split():
+            assert time.monotonic() < deadline, "sleep never entered the namespace"
+            time.sleep(0.05)
+        _remove_namespaces_of_dead_runs()
+        assert ns not in sh("ip", "netns", "list", check=False).stdout.split()
+        assert orphan.wait(timeout=20) == -signal.SIGKILL
+    finally:
+        if orphan.poll() is None:
+            orphan.kill()
+            orphan.wait()
+        sh("ip", "netns", "del", ns, check=False)

@@ -8,6 +8,7 @@ the bounds are known to discriminate.
 """
 import copy
 import multiprocessing
+import errno
 import os
 import pickle
 import random
@@ -624,8 +625,8 @@ def test_packed_image_folder(tmp_path):
     assert ds.class_to_idx == {"cat": 0, "cat.x": 1, "dog": 2, "emu": 3}
     assert ds.paths.tolist() == ["cat/1.jpg", "cat/2.jpg", "cat.x/z.jpg", "dog/a.PNG",
                                  "dog/b.jpg", "dog/sub/c.jpeg", "emu/sub/deeper/e.bmp"]
-    assert ds.targets.tolist() == [0, 0, 1, 2, 2, 2, 3] and ds.targets.dtype == np.int64
-    assert len(ds) == 7 and [ds.target(i) for i in range(7)] == ds.targets.tolist()
+    assert ds.targets == [0, 0, 1, 2, 2, 2, 3] and type(ds.targets[0]) is int
+    assert len(ds) == 7 and [ds.target(i) for i in range(7)] == ds.targets
     sample, target = ds[5]
     assert target == 20 and sample.tolist() == [len(b"dog/sub/c.jpeg"), ord("d")]
     assert ds[-1][1] == 30 and ds.path(-1) == os.path.join(str(tmp_path), "emu/sub/deeper/e.bmp")
@@ -646,7 +647,7 @@ def test_packed_image_folder_through_a_spawn_loader(tmp_path):
     loader = DataLoader(ds, batch_size=3, num_workers=2, multiprocessing_context="spawn")
     got = collect(loader, seconds=90)
     samples = torch.cat([b[0] for b in got])
-    assert torch.cat([b[1] for b in got]).tolist() == ds.targets.tolist()
+    assert torch.cat([b[1] for b in got]).tolist() == ds.targets
     assert samples[:, 0].tolist() == [os.path.getsize(ds.path(i)) for i in range(len(ds))]
 
 
@@ -818,3 +819,27 @@ def test_a_python_list_shows_the_cost_the_bounds_catch(method, million_names):
     else:                  # unpickled at start-up: private from the beginning
         excess = [e - min(no_names_end(method)) for e in end]
         assert min(excess) > 4 * EXCESS_BOUND, f"list excess only {fmt(excess)}"
+
+
+def test_from_directory_error_names_the_root_as_given(tmp_path):
+    missing = tmp_path / "missing"
+    for root in (str(missing), missing):
+        with pytest.raises(FileNotFoundError) as info:
+            PackedStringArray.from_directory(root)
+        assert info.value.filename == str(missing) and info.value.errno == errno.ENOENT
+    with pytest.raises(FileNotFoundError) as info:
+        PackedStringArray.from_directory(os.fsencode(missing))
+    assert info.value.filename == os.fsencode(missing)   # bytes in, bytes out (as os.*)
+
+
+def test_save_errors_name_the_target_not_the_temporary_file(tmp_path):
+    target = tmp_path / "no_such_dir" / "names.fpk"
+    with pytest.raises(FileNotFoundError) as info:
+        PackedStringArray(["x"]).save(target)
+    assert info.value.filename == str(target) and info.value.filename2 is None
+    assert ".tmp" not in str(info.value) and str(target) in str(info.value)
+    (tmp_path / "a_dir.fpk").mkdir()   # os.replace over a directory fails
+    with pytest.raises(IsADirectoryError) as info:
+        PackedStringArray(["x"]).save(tmp_path / "a_dir.fpk")
+    assert info.value.filename == str(tmp_path / "a_dir.fpk") and ".tmp" not in str(info.value)
+    assert sorted(os.listdir(tmp_path)) == ["a_dir.fpk"]   # no temporary file left

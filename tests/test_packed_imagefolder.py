@@ -18,6 +18,7 @@ independent implementation of the behaviour of torchvision 0.29's
 
 Here the reference walks with os.listdir and a hand-made recursion, not os.walk.
 """
+import json
 import os
 import pickle
 
@@ -113,7 +114,7 @@ def assert_same_as_reference(ds, reference):
     assert ds.class_to_idx == class_to_idx
     assert list(ds.samples) == samples and list(ds.imgs) == samples
     assert ds.samples == samples
-    assert ds.targets.tolist() == [t for _, t in samples]
+    assert ds.targets == [t for _, t in samples]
     assert len(ds) == len(samples)
     assert [ds.path(i) for i in range(len(ds))] == [p for p, _ in samples]
     assert [ds.target(i) for i in range(len(ds))] == [t for _, t in samples]
@@ -195,7 +196,64 @@ def test_custom_find_classes_and_pickling(tmp_path):
             if os.path.relpath(p, root).split(os.sep)[0] in ("日本", "A_class")]
     assert list(ds.samples) == want   # A_class's files first: classes walk in name order
     whole = PackedImageFolder(root, allow_empty=True)
-    whole.targets   # built once, and not pickled
-    again = pickle.loads(pickle.dumps(whole))
-    assert again._targets is None and list(again.samples) == samples
-    assert again.targets.tolist() == [t for _, t in samples]
+    whole.targets   # built once per process, and not pickled
+    whole.samples
+    data = pickle.dumps(whole)
+    assert len(data) < 4096   # the packed index only (by fd/name), no list
+    again = pickle.loads(data)
+    assert list(again.samples) == samples
+    assert again.targets == [t for _, t in samples]
+
+
+# ---- samples / targets are lists, as torchvision's (review of branch lead) -------------------
+
+def test_targets_and_samples_behave_as_torchvisions_lists(tmp_path):
+    root = make_tree(tmp_path)
+    _, _, ref_samples = reference_samples(str(root), allow_empty=True)
+    ref_targets = [t for _, t in ref_samples]
+    ds = PackedImageFolder(root, allow_empty=True, loader=os.path.basename)
+    other = PackedImageFolder(root, allow_empty=True)
+    for got, want in ((ds.targets, ref_targets), (ds.samples, ref_samples)):
+        assert isinstance(got, list)
+        assert got == want and (got == other.targets or got == other.samples)
+        assert got + got == want + want           # concatenates, as lists do
+        assert got.count(want[0]) == want.count(want[0])
+        assert got.index(want[-1]) == want.index(want[-1])
+        assert json.dumps(got) == json.dumps(want)
+        assert got[1:3] == want[1:3] and list(reversed(got)) == want[::-1]
+    assert all(type(t) is int for t in ds.targets)
+    assert ds.imgs is ds.samples
+    assert json.dumps(ds.targets[0]) == json.dumps(ref_targets[0])
+
+    # targets: settable and changeable; as with torchvision, __getitem__ does not read it
+    ds.targets[0] = 99
+    assert ds.targets[0] == 99 and ds[0][1] == ref_targets[0]
+    ds.targets = [7] * len(ds)
+    assert ds.targets == [7] * len(ds) and ds[0][1] == ref_targets[0]
+
+    # samples: set or changed in place, __getitem__ (and path/target) read it
+    ds.samples[0] = (ref_samples[1][0], 5)
+    assert ds[0] == (os.path.basename(ref_samples[1][0]), 5)
+    assert ds.target(0) == 5 and ds.path(0) == ref_samples[1][0]
+    copy = pickle.loads(pickle.dumps(ds))   # what a spawned worker gets
+    assert copy[0] == (os.path.basename(ref_samples[1][0]), 5)
+    assert copy.samples == ds.samples and copy.imgs is copy.samples
+    ds.samples = [(ref_samples[2][0], 3)]
+    assert ds[0] == (os.path.basename(ref_samples[2][0]), 3) and ds.samples == ds.samples[:1]
+    assert len(ds.imgs) == len(ref_samples)   # torchvision's imgs stays the list it was
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_changed_samples_reach_the_workers(tmp_path, method):
+    from fastloader import DataLoader
+
+    root = make_tree(tmp_path)
+    ds = PackedImageFolder(root, allow_empty=True, loader=os.path.basename)
+    want = [(os.path.basename(p), t) for p, t in ds.samples]
+    ds.samples[3] = (ds.samples[0][0], 42)
+    want[3] = (want[0][0], 42)
+    loader = DataLoader(ds, batch_size=4, num_workers=1, multiprocessing_context=method)
+    got = []
+    for names, labels in loader:
+        got += list(zip(names, labels.tolist()))
+    assert got == want

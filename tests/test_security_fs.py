@@ -8,6 +8,7 @@ a SIGKILLed process group's leftovers are swept (issue 12).
 The second-user tests run as root (as CI does) and drop a forked child to `nobody`
 to play the attacker; elsewhere they skip, saying why."""
 import functools
+import json
 import os
 import signal
 import stat
@@ -15,7 +16,6 @@ import subprocess
 import sys
 import textwrap
 import traceback
-import types
 import uuid
 
 import pytest
@@ -151,11 +151,15 @@ def ours(prefix):
 @pytest.fixture
 def fixed_prefix(monkeypatch):
     """The pool's segment prefix, known in advance (as an attacker who watched the
-    control block appear knows it): fastloader-<pid>-<10 hex>."""
-    tag = uuid.uuid4().hex
-    monkeypatch.setattr(fastloader.pool, "uuid",
-                        types.SimpleNamespace(uuid4=lambda: types.SimpleNamespace(hex=tag)))
-    return f"fastloader-{os.getpid()}-{tag[:10]}"
+    control block appear knows it): fastloader-<pid>-<8 hex namespace><10 hex>."""
+    prefix = f"fastloader-{os.getpid()}-{ns_tag()}"
+    monkeypatch.setattr(fastloader.shm_sweep, "loader_prefix", lambda pid: prefix)
+    return prefix
+
+
+def ns_tag():
+    """What follows the pid in a loader's segment names made in this PID namespace."""
+    return fastloader.shm_sweep.pid_namespace() + uuid.uuid4().hex[:10]
 
 
 def predicted_names(prefix, workers=2, count=16):
@@ -414,7 +418,7 @@ def test_group_sigkill_leftovers_are_swept(subprocess_env, tmp_path):
     with open("/proc/sys/kernel/pid_max") as f:
         pid_max = int(f.read())
     dead = next(p for p in range(pid_max - 1, 300, -1) if not os.path.exists(f"/proc/{p}"))
-    tag = uuid.uuid4().hex[:10]
+    tag = ns_tag()
     live = f"fastloader-{os.getpid()}-{tag}-w0-s0-{'0' * 16}"   # a live loader's
     foreign = f"fastloader-{dead}-{tag}-w0-s0-{'0' * 16}"       # stale, another user's
     keep = [live] + ([foreign] if os.geteuid() == 0 else [])
@@ -451,18 +455,104 @@ def test_sweep_removes_only_dead_owners_regular_files(tmp_path):
     with open("/proc/sys/kernel/pid_max") as f:
         pid_max = int(f.read())
     dead = next(p for p in range(pid_max - 1, 300, -1) if not os.path.exists(f"/proc/{p}"))
-    tag = uuid.uuid4().hex[:10]
+    tag = ns_tag()
     stale = f"fastloader-{dead}-{tag}-w0-s1-{'1' * 16}"
     link = f"fastloader-{dead}-{tag}-w0-s2-{'2' * 16}"
     live = f"fastloader-{os.getpid()}-{tag}-w0-s3-{'3' * 16}"
+    # A dead pid here says nothing about a loader of another PID namespace (or of a
+    # name that carries none): never swept.
+    other_ns = "ffffffff" if shm_sweep.pid_namespace() != "ffffffff" else "fffffffe"
+    elsewhere = f"fastloader-{dead}-{other_ns}{tag[8:]}-w0-s4-{'4' * 16}"
+    unknown = f"fastloader-{dead}-{tag[8:]}-w0-s5-{'5' * 16}"
     victim = tmp_path / "victim"
     victim.write_text("keep me")
-    plant([stale, live], b"x", 4096)
+    plant([stale, live, elsewhere, unknown], b"x", 4096)
     os.symlink(victim, os.path.join(SHM, link))
     try:
         removed = shm_sweep.sweep_dead_loaders()
-        assert stale in removed and not {link, live} & set(removed)
+        assert stale in removed and not {link, live, elsewhere, unknown} & set(removed)
         assert os.path.lexists(os.path.join(SHM, link)) and victim.read_text() == "keep me"
-        assert stat.S_ISREG(os.lstat(os.path.join(SHM, live)).st_mode)
+        for name in (live, elsewhere, unknown):
+            assert stat.S_ISREG(os.lstat(os.path.join(SHM, name)).st_mode)
     finally:
-        remove([stale, link, live])
+        remove([stale, link, live, elsewhere, unknown])
+
+
+# The loader runs as a pid that is free in the test's namespace, so that judged by
+# our /proc its owner looks dead (what a container sharing /dev/shm looks like).
+_NAMESPACED_LOADER = """
+import os, sys
+targets = {int(p) for p in sys.argv[1].split(",")}
+for _ in range(20000):   # pids are handed out in order from 1 in a new namespace
+    child = os.fork()
+    if child == 0:
+        if os.getpid() in targets:
+            break
+        os._exit(0)
+    _, status = os.waitpid(child, 0)
+    if child in targets:
+        sys.exit(os.waitstatus_to_exitcode(status))
+else:
+    sys.exit("no target pid reached")
+import torch
+from fastloader import DataLoader
+
+class DS(torch.utils.data.Dataset):
+    def __len__(self): return 64
+    def __getitem__(self, i): return torch.full((200000,), float(i))
+
+# 6.4 MB batches go to overflow segments, named until the main process opens them
+loader = DataLoader(DS(), batch_size=8, num_workers=2, sharing_strategy="file_system",
+                    multiprocessing_context="fork")
+seen = 0
+for n, batch in enumerate(loader):
+    assert bool((batch == torch.arange(8 * n, 8 * n + 8).float()[:, None]).all())
+    seen += 1
+    if n == 0:
+        print("ready", os.getpid(), flush=True)
+        sys.stdin.readline()   # the host sweeps while the workers' results wait
+print("ok", seen, flush=True)
+"""
+
+
+def test_sweep_leaves_a_live_loader_of_another_pid_namespace_alone(subprocess_env):
+    """A file_system loader in its own PID namespace (a container with --ipc=host) whose
+    pid is free here: the host's start-up sweep and `doctor --clean` leave its segments
+    alone, and it finishes its epoch."""
+    from fastloader import shm_sweep
+
+    probe = subprocess.run(["unshare", "-pf", "--mount-proc", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot create a PID namespace: {probe.stderr.decode().strip()}")
+    targets = [p for p in range(400, 3000) if not os.path.exists(f"/proc/{p}")][:50]
+    proc = subprocess.Popen(["unshare", "-pf", "--mount-proc", sys.executable, "-c",
+                             _NAMESPACED_LOADER, ",".join(map(str, targets))],
+                            env=subprocess_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        with deadline(120, "the loader in its own PID namespace"):
+            line = proc.stdout.readline()
+        assert line.startswith("ready "), (line, proc.stderr.read() if proc.poll() else "")
+        inner = int(line.split()[1])
+        assert wait_until(lambda: ours(f"fastloader-{inner}-"), 60), "no queued result"
+        names = set(ours(f"fastloader-{inner}-"))
+        mtime = min(os.stat(os.path.join(SHM, n)).st_mtime for n in names)
+        assert not shm_sweep.owner_state(inner, mtime)[0], "pid taken here meanwhile"
+        removed = shm_sweep.sweep_dead_loaders()
+        assert not names & set(removed), "a live loader's segments were swept"
+        result = subprocess.run([sys.executable, "-m", "fastloader", "doctor", "--no-selftest",
+                                 "--clean", "--json"], env=subprocess_env, capture_output=True,
+                                text=True, timeout=120)
+        assert result.returncode == 0, result.stdout + result.stderr
+        report = json.loads(result.stdout)
+        assert not names & set(report["dev_shm"]["cleaned"]["removed"])
+        judged = {s["name"]: s for s in report["dev_shm"]["segments"] if s["name"] in names}
+        assert judged and all(not s["stale"] and "other namespace" in s["reason"]
+                              for s in judged.values()), judged
+        assert names <= set(os.listdir(SHM))
+        out, err = proc.communicate("go\n", timeout=120)
+        assert proc.returncode == 0 and out.strip() == "ok 8", (out, err)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=30)

@@ -9,8 +9,11 @@ itself (no cluster layer of our own).
 * ``node_key()`` says which ranks count as one node for that."""
 from __future__ import annotations
 
+import functools
+import hashlib
 import itertools
 import os
+import pickle
 import time
 import warnings
 from datetime import timedelta
@@ -89,14 +92,68 @@ def node_key():
 
 def _builder_name(build, key):
     """What the ranks must agree on having built: the caller's `key`, else the
-    builder's qualified name. Never its arguments or repr: those can differ
-    between processes (addresses in a repr) for one and the same builder."""
+    builder's qualified name plus a digest of what it is called with (a
+    functools.partial's arguments, a function's defaults and closure), so that
+    partial(load, "train") and partial(load, "val") are told apart. Never its repr:
+    that can differ between processes (addresses) for one and the same builder."""
     if key is not None:
         return str(key)
-    func = getattr(build, "func", build)   # functools.partial: its function
+    func, bound = build, []
+    while isinstance(func, functools.partial):   # nested partials: every layer's arguments
+        bound.append((func.args, sorted(func.keywords.items())))
+        func = func.func
     mod = getattr(func, "__module__", None) or type(func).__module__
-    name = getattr(func, "__qualname__", None) or type(func).__qualname__
-    return f"{mod}.{name}"
+    name = f"{mod}.{getattr(func, '__qualname__', None) or type(func).__qualname__}"
+    parts = []
+    if bound:
+        try:
+            parts.append(_canonical_pickle(bound))
+        except Exception as exc:   # noqa: BLE001 -- any pickling failure means the same
+            raise TypeError(
+                f"fastloader: share_on_node: the arguments bound to {name} cannot be pickled "
+                f"({type(exc).__name__}: {exc}), so the ranks cannot check that they build "
+                "the same thing; pass key=... naming what is built (equal on every rank "
+                "that must share it)") from None
+    # Cheap extras: defaults and closure cells, where they pickle (a closure over an
+    # unpicklable object counts by its type only).
+    cells = [c.cell_contents for c in (getattr(func, "__closure__", None) or ())
+             if _cell_is_set(c)]
+    for value in (getattr(func, "__defaults__", None), getattr(func, "__kwdefaults__", None),
+                  *cells):
+        if value is None:
+            continue
+        try:
+            parts.append(_canonical_pickle(value))
+        except Exception:   # noqa: BLE001 -- see above
+            parts.append(f"{type(value).__module__}.{type(value).__qualname__}".encode())
+    if not parts:
+        return name
+    return f"{name}[args {hashlib.sha256(b'|'.join(parts)).hexdigest()[:16]}]"
+
+
+def _cell_is_set(cell):
+    try:
+        cell.cell_contents
+    except ValueError:   # a free variable not bound yet
+        return False
+    return True
+
+
+def _canonical(value):
+    """`value` with sets and dicts put in a fixed order: their iteration order can
+    differ between processes (string hashing is randomised per process)."""
+    if isinstance(value, (set, frozenset)):
+        return ("<set>", sorted((_canonical(v) for v in value), key=pickle.dumps))
+    if isinstance(value, dict):
+        items = [(_canonical(k), _canonical(v)) for k, v in value.items()]
+        return ("<dict>", sorted(items, key=lambda kv: pickle.dumps(kv[0])))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_canonical(v) for v in value)
+    return value
+
+
+def _canonical_pickle(value):
+    return pickle.dumps(_canonical(value), protocol=4)
 
 
 def _group_store(d, group):
@@ -198,7 +255,9 @@ def share_on_node(build, group=None, *, key=None, timeout=None):
     still cannot attach builds its own copy and warns.
 
     The ranks must agree on what is built: by `key` when given, else by the
-    builder's qualified name. Errors name the rank at fault: ranks that called
+    builder's qualified name and a digest of its bound arguments (a
+    functools.partial's args and kwargs, which must then pickle; a function's
+    defaults and closure where they pickle). Errors name the rank at fault: ranks that called
     with different builders, a builder that failed or died before publishing, a
     rank that never calls (after `timeout` seconds when given, else when the
     process group's timeout ends the exchange; a rank that dies is seen at once

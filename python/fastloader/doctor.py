@@ -31,6 +31,7 @@ import torch
 from torch.utils.data import Dataset
 
 from .shm_sweep import owner_state, process_start_time  # noqa: F401  (part of the report API)
+from .shm_sweep import segment_namespace_state
 
 SHM_DIR = "/dev/shm"
 
@@ -227,6 +228,10 @@ def scan_segments(shm_dir: str = SHM_DIR) -> tuple[list, dict]:
             other["bytes"] += st.st_blocks * 512
             continue
         alive, reason = owner_state(kind[1], st.st_mtime)
+        if kind[0] != "torch":
+            ours, why = segment_namespace_state(entry.name)
+            if not ours:
+                alive, reason = True, why   # its pid cannot be judged by our /proc
         segments.append({
             "name": entry.name, "kind": kind[0], "pid": kind[1], "uid": st.st_uid,
             "mine": st.st_uid == euid, "size_bytes": st.st_size,

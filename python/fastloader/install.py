@@ -107,11 +107,21 @@ def installed() -> bool:
 
 def install_from_environment() -> None:
     """``FASTLOADER_INSTALL=1`` (or ``file_system``/``file_descriptor`` to also
-    choose the strategy) installs at ``import fastloader``."""
+    choose the strategy) installs at ``import fastloader``; empty, ``0``, ``false``,
+    ``no`` and ``off`` (any case) do not. Any other value installs, with a warning."""
     value = os.environ.get(ENV_VAR, "").strip()
-    if value in ("", "0"):
+    if value.lower() in _OFF:
         return
+    if value not in STRATEGIES and value.lower() not in _ON:
+        warnings.warn(f"fastloader: {ENV_VAR}={value!r} is not one of "
+                      f"{', '.join(sorted(_ON | set(STRATEGIES)))} (on) or "
+                      f"{', '.join(repr(v) for v in sorted(_OFF))} (off); installing with "
+                      "the file_descriptor strategy", RuntimeWarning, stacklevel=2)
     install(value if value in STRATEGIES else "file_descriptor")
+
+
+_OFF = frozenset({"", "0", "false", "no", "off"})
+_ON = frozenset({"1", "true", "yes", "on"})
 
 
 def _caller_stacklevel() -> int:

@@ -121,13 +121,18 @@ def _pandas_object_values(value):
 
 
 def _pandas_findings(value, where) -> Optional[List[Finding]]:
-    """Findings for a pandas DataFrame (per column: `df['col']`) or Series; None
-    for anything else. pandas objects are looked at through their columns, never
-    through their internals (block managers), which the attribute walk would miss."""
+    """Findings for a pandas DataFrame (per column: `df['col']`, and its index),
+    Series (and its index) or Index; None for anything else. pandas objects are
+    looked at through their columns, never through their internals (block
+    managers), which the attribute walk would miss."""
     pd = sys.modules.get("pandas")
-    if pd is None or not isinstance(value, (pd.DataFrame, pd.Series)):
+    if pd is None or not isinstance(value, (pd.DataFrame, pd.Series, pd.Index)):
         return None
-    columns = value.items() if isinstance(value, pd.DataFrame) else [(None, value)]
+    if isinstance(value, pd.Index):
+        columns, index = [(None, value)], None
+    else:
+        columns = value.items() if isinstance(value, pd.DataFrame) else [(None, value)]
+        index = value.index
     found = []
     for name, column in columns:
         values = _pandas_object_values(column)
@@ -138,8 +143,13 @@ def _pandas_findings(value, where) -> Optional[List[Finding]]:
             continue
         _, n, nbytes, all_str = info[:4]
         path = where if name is None else f"{where}[{name!r}]"
-        kind = "pandas column" if name is not None else "pandas Series"
+        if isinstance(column, pd.Index):
+            kind = "pandas Index"
+        else:
+            kind = "pandas column" if name is not None else "pandas Series"
         found.append(Finding(path, f"{kind} of Python objects", n, nbytes, all_str))
+    if index is not None:   # e.g. a DataFrame indexed by file name
+        found.extend(_pandas_findings(index, f"{where}.index") or [])
     return found
 
 
@@ -184,30 +194,39 @@ def find_heavy_metadata(dataset, root: str = "dataset") -> List[Finding]:
     found: List[Finding] = []
     visited = set()
 
+    def check(value, where, depth, inside=False):
+        """One attribute's value, or (inside=True) a value in a small container
+        attribute, such as `self.splits = {"train": df}`."""
+        if id(value) in visited:
+            return
+        frames = _pandas_findings(value, where)
+        if frames is not None:
+            visited.add(id(value))
+            found.extend(frames)
+            return
+        if not inside and isinstance(value, (list, tuple, dict)) \
+                and 0 < len(value) <= _MAX_CHILDREN:
+            # a few items: name the big one inside (a DataFrame, a list of names),
+            # else judge the container as a whole (a few huge blobs)
+            before = len(found)
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for key, child in items:
+                check(child, f"{where}[{key!r}]", depth, inside=True)
+            if len(found) > before:
+                return
+        info = _examine(value)
+        if info is not None:
+            visited.add(id(value))
+            found.append(Finding(where, *info))
+        elif _is_holder(value):
+            visit(value, where, depth + 1)
+
     def visit(obj, path, depth):
         if id(obj) in visited or depth > _MAX_DEPTH:
             return
         visited.add(id(obj))
         for name, value in _attributes(obj):
-            where = f"{path}.{name}"
-            if id(value) in visited:
-                continue
-            frames = _pandas_findings(value, where)
-            if frames is not None:
-                visited.add(id(value))
-                found.extend(frames)
-                continue
-            info = _examine(value)
-            if info is not None:
-                visited.add(id(value))
-                found.append(Finding(where, *info))
-                continue
-            if isinstance(value, (list, tuple)) and 0 < len(value) <= _MAX_CHILDREN:
-                for i, child in enumerate(value):
-                    if _is_holder(child):
-                        visit(child, f"{where}[{i}]", depth + 1)
-            elif _is_holder(value):
-                visit(value, where, depth + 1)
+            check(value, f"{path}.{name}", depth)
 
     try:
         info = _examine(dataset)   # DataLoader(list_of_samples) is a container itself

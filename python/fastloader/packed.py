@@ -52,7 +52,7 @@ import uuid
 import weakref
 from typing import Any, Iterable, Optional, Union
 
-from . import _core
+from . import _core, shm_sweep
 from ._core import FastLoaderError
 
 __all__ = ["PackedStringArray", "PackedArray", "PackedFormatError", "load",
@@ -152,7 +152,10 @@ def _new_segment(strategy: str):
     if strategy == "file_descriptor":
         fd = os.memfd_create("fastloader-pack", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         return "memfd", fd, None
-    name = f"{_NAME_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    # pid + PID namespace, so that `doctor --clean` in another container sharing
+    # /dev/shm leaves it alone (see shm_sweep.py)
+    namespace = shm_sweep.pid_namespace() or shm_sweep.UNKNOWN_NAMESPACE
+    name = f"{_NAME_PREFIX}{os.getpid()}-{namespace}{uuid.uuid4().hex[:12]}"
     fd = os.open(os.path.join(_SHM_DIR, name),
                  os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     try:
@@ -466,11 +469,14 @@ class _PackedBase(_core.PackedView):
                 os.close(fd)
             os.replace(tmp, path)
             _fsync_directory(directory)   # and the rename too
-        except BaseException:
+        except BaseException as exc:
             try:
                 os.unlink(tmp)
             except FileNotFoundError:
                 pass
+            if isinstance(exc, OSError) and exc.filename in (tmp, path):
+                # the caller asked to write `path`: name it, not our temporary file
+                exc.filename, exc.filename2 = path, None
             raise
         finally:
             data.release()
@@ -558,10 +564,17 @@ class PackedStringArray(_PackedBase):
         Symbolic links count as what they point to (dangling ones are skipped);
         linked directories are entered with follow_symlinks (default, as torchvision's
         ImageFolder) but never twice on one path."""
-        root_b = os.fsencode(os.fspath(root))
+        root = os.fspath(root)
+        root_b = os.fsencode(root)
         suffix_t = _suffix_tuple(suffixes)
-        return _build(cls, lambda w: _core.packed_scan(w, root_b, b"", suffix_t,
-                                                        follow_symlinks), sharing_strategy)
+        try:
+            return _build(cls, lambda w: _core.packed_scan(w, root_b, b"", suffix_t,
+                                                            follow_symlinks), sharing_strategy)
+        except OSError as exc:
+            # the C scan works on bytes; name the path as the caller spelt it (os.* do)
+            if isinstance(root, str) and isinstance(exc.filename, bytes):
+                exc.filename = os.fsdecode(exc.filename)
+            raise
 
 
 class PackedArray(_PackedBase):

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import bisect
 import os
-from collections.abc import Sequence as _SequenceABC
+import weakref
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from torch.utils.data import Dataset
@@ -82,32 +82,44 @@ def _class_files(class_dir: str, is_valid: Callable[[str], bool], follow: bool):
                 yield path
 
 
-class _Samples(_SequenceABC):
-    """``ds.samples`` / ``ds.imgs``: (full path, class index) pairs as torchvision's
-    list holds them, made one at a time (nothing per sample is stored)."""
+class _TrackedList(list):
+    """A list (==, +, count, index, json, isinstance list: all list's) that remembers
+    being changed in place, so that a changed ``samples`` list is what __getitem__
+    reads and what workers receive, as with torchvision's own list."""
 
-    __slots__ = ("_ds",)
+    __slots__ = ("changed",)
 
-    def __init__(self, ds):
-        self._ds = ds
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.changed = False
 
-    def __len__(self):
-        return len(self._ds)
+    def __reduce__(self):   # pickles (and copies) as a plain list
+        return list, (list(self),)
 
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
-        return self._ds.path(index), self._ds.target(index)
 
-    def __eq__(self, other):
-        if isinstance(other, (list, tuple, _Samples)):
-            return len(self) == len(other) and all(a == tuple(b) for a, b in zip(self, other))
-        return NotImplemented
+def _tracking(name):
+    method = getattr(list, name)
 
-    __hash__ = None
+    def changing(self, *args):
+        self.changed = True
+        return method(self, *args)
+    changing.__name__ = name
+    return changing
 
-    def __repr__(self):
-        return f"<{len(self)} samples of {self._ds!r}>"
+
+for _name in ("__setitem__", "__delitem__", "__iadd__", "__imul__", "append", "extend",
+              "insert", "pop", "remove", "clear", "sort", "reverse"):
+    setattr(_TrackedList, _name, _tracking(_name))
+del _name
+
+# dataset id -> {"samples": list, "targets": list} built in this process on first
+# access. Kept outside the dataset, so that neither pickling (spawn workers) nor
+# the heavy-metadata check sees lists that __getitem__ never reads.
+_LISTS: dict = {}
+
+
+def _forget_lists(key):
+    _LISTS.pop(key, None)
 
 
 class PackedImageFolder(Dataset):
@@ -124,11 +136,13 @@ class PackedImageFolder(Dataset):
     detect a link back to an ancestor) and ``sharing_strategy`` of the path array.
 
     Attributes: ``classes``, ``class_to_idx``, ``extensions``, ``samples`` and
-    ``imgs`` (sequences of (path, class index) made on access), ``targets`` (the
-    class indices as a NumPy int64 array, made once when first read; torchvision's
-    is a list), ``paths`` (a PackedStringArray of paths relative to ``root``),
-    ``path(i)``, ``target(i)``. Override ``find_classes(directory)`` to choose the
-    classes, as with torchvision.
+    ``imgs`` (lists of (path, class index) tuples), ``targets`` (a list of ints), as
+    torchvision's: settable, changeable in place. They are built from the packed
+    index on first access in each process and never pickled into workers; as with
+    torchvision, __getitem__ reads ``samples`` (a list set or changed in place is
+    used, and then sent to workers), never ``targets``. Also ``paths`` (a
+    PackedStringArray of paths relative to ``root``), ``path(i)``, ``target(i)``.
+    Override ``find_classes(directory)`` to choose the classes, as with torchvision.
     """
 
     def __init__(self, root, transform: Optional[Callable] = None,
@@ -178,7 +192,8 @@ class PackedImageFolder(Dataset):
         # starts[c] is the index of class c's first file; a tuple of len(classes) + 1 ints
         self._starts = tuple(starts)
         self._class_of = tuple(indices)
-        self._targets = None
+        # lists the user assigned: "samples", "imgs", "targets" -> list
+        self._assigned: dict = {}
         empty = [name for c, name in enumerate(order) if starts[c] == starts[c + 1]]
         if empty and not allow_empty:
             msg = f"Found no valid file for the classes {', '.join(sorted(empty))}. "
@@ -204,45 +219,109 @@ class PackedImageFolder(Dataset):
     def _target_at(self, i: int) -> int:
         return self._class_of[bisect.bisect_right(self._starts, i) - 1]
 
+    def _changed_samples(self):
+        """The samples list __getitem__ must read (one the user set or changed in
+        place, as torchvision reads its own), else None: the packed index."""
+        samples = self._assigned.get("samples")
+        if samples is not None:
+            return samples
+        built = _LISTS.get(id(self))
+        if built is not None and built.get("samples") is not None \
+                and built["samples"].changed:
+            return built["samples"]
+        return None
+
     def target(self, index: int) -> int:
-        """The class index of sample `index`."""
+        """The class index of sample `index` (as __getitem__ labels it)."""
+        samples = self._changed_samples()
+        if samples is not None:
+            return samples[index][1]
         return self._target_at(self._index(index))
 
     def path(self, index: int) -> str:
         """The full path of sample `index` (as torchvision's samples hold it)."""
+        samples = self._changed_samples()
+        if samples is not None:
+            return samples[index][0]
         return os.path.join(self._dir, self.paths[index])
 
     def __getitem__(self, index: int):
-        i = self._index(index)
-        target = self._target_at(i)
-        sample = (self.loader or pil_loader)(os.path.join(self._dir, self.paths[i]))
+        samples = self._changed_samples()
+        if samples is not None:
+            path, target = samples[index]
+        else:
+            i = self._index(index)
+            target = self._target_at(i)
+            path = os.path.join(self._dir, self.paths[i])
+        sample = (self.loader or pil_loader)(path)
         if self.transform is not None:
             sample = self.transform(sample)
         if self.target_transform is not None:
             target = self.target_transform(target)
         return sample, target
 
+    def _built(self, name):
+        """The list `name` made from the packed index, once per process."""
+        lists = _LISTS.get(id(self))
+        if lists is None:
+            lists = _LISTS[id(self)] = {}
+            weakref.finalize(self, _forget_lists, id(self))
+        if name not in lists:
+            if name == "samples":
+                lists[name] = _TrackedList(
+                    (os.path.join(self._dir, p), self._target_at(i))
+                    for i, p in enumerate(self.paths))
+            else:
+                counts = [self._starts[c + 1] - self._starts[c]
+                          for c in range(len(self._class_of))]
+                lists[name] = _TrackedList(
+                    t for t, n in zip(self._class_of, counts) for _ in range(n))
+        return lists[name]
+
     @property
-    def samples(self) -> _Samples:
-        """(full path, class index) of every sample, made one at a time on access."""
-        return _Samples(self)
+    def samples(self) -> list:
+        """(full path, class index) of every sample, as torchvision's list."""
+        if "samples" in self._assigned:
+            return self._assigned["samples"]
+        return self._built("samples")
 
-    imgs = samples
+    @samples.setter
+    def samples(self, value):
+        self._assigned["samples"] = value
 
     @property
-    def targets(self):
-        """Every sample's class index, as a NumPy int64 array (made once)."""
-        if self._targets is None:
-            import numpy as np
+    def imgs(self) -> list:
+        """torchvision's alias: the samples list as built (setting samples later does
+        not change it, as with torchvision)."""
+        if "imgs" in self._assigned:
+            return self._assigned["imgs"]
+        return self._built("samples")
 
-            counts = np.diff(np.asarray(self._starts, dtype=np.int64))
-            self._targets = np.repeat(np.asarray(self._class_of, dtype=np.int64), counts)
-            self._targets.flags.writeable = False
-        return self._targets
+    @imgs.setter
+    def imgs(self, value):
+        self._assigned["imgs"] = value
+
+    @property
+    def targets(self) -> list:
+        """Every sample's class index, as torchvision's list of ints."""
+        if "targets" in self._assigned:
+            return self._assigned["targets"]
+        return self._built("targets")
+
+    @targets.setter
+    def targets(self, value):
+        self._assigned["targets"] = value
 
     def __getstate__(self):
         state = self.__dict__.copy()
-        state["_targets"] = None   # rebuilt on demand: not pickled into every worker
+        # lists built from the index stay behind (workers rebuild them if they read
+        # them at all); lists changed in place travel, as the user's own would
+        built = _LISTS.get(id(self), {})
+        changed = {k: v for k, v in built.items() if v.changed}
+        if "samples" in changed and "imgs" not in self._assigned:
+            changed["imgs"] = changed["samples"]   # still one list, as built
+        if changed:
+            state["_assigned"] = {**changed, **self._assigned}
         return state
 
     def __repr__(self) -> str:

@@ -12,7 +12,6 @@ import dataclasses
 import os
 import signal
 import threading
-import uuid
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -137,7 +136,8 @@ class WorkerPool:
                  result_capacity: int):
         self.owner_pid = os.getpid()
         self.strategy_name = next(k for k, v in STRATEGIES.items() if v == strategy)
-        self.prefix = f"fastloader-{self.owner_pid}-{uuid.uuid4().hex[:10]}"
+        # pid + PID namespace: lets any process sharing /dev/shm tell whether we live
+        self.prefix = shm_sweep.loader_prefix(self.owner_pid)
         self.channels: list = []
         self.procs: list = []
         self._pids: list = []

@@ -1,9 +1,14 @@
 """Named segments whose owner is gone. Under sharing_strategy="file_system" every
-segment name embeds the pid of the loader's main process; when a whole process
-group is SIGKILLed nobody is left to unlink them, so the next loader (and
-`python -m fastloader doctor --clean`) removes them. Only regular files owned by
-our effective uid whose owner process is gone are ever removed: never another
-user's file, never a live loader's, never through a symlink."""
+segment name embeds the pid of the loader's main process and the identity of its
+PID namespace; when a whole process group is SIGKILLed nobody is left to unlink
+them, so the next loader (and `python -m fastloader doctor --clean`) removes them.
+Only regular files owned by our effective uid whose owner process is gone are ever
+removed: never another user's file, never a live loader's, never through a symlink.
+
+A pid means something only inside its PID namespace, and containers sharing
+/dev/shm (docker --ipc=host, several "hosts" on one machine) each have their own:
+a segment whose name carries another namespace (or none we can read) is never
+judged by our /proc, so it is never removed here."""
 from __future__ import annotations
 
 import functools
@@ -13,13 +18,52 @@ import stat
 
 SHM_DIR = "/dev/shm"
 
-# A loader's channel segments: fastloader-<main pid>-<10 hex>-w<worker id>-...
+# A loader's channel segments:
+#   fastloader-<main pid>-<8 hex: PID namespace inode><10 hex random>-w<worker id>-...
 # (the doctor also knows packed arrays' and torch's names)
-LOADER_SEGMENT = re.compile(r"fastloader-(\d+)-[0-9a-f]{10}-w\d+-")
+LOADER_SEGMENT = re.compile(r"fastloader-(\d+)-([0-9a-f]{8})[0-9a-f]{10}-w\d+-")
+# Written when our namespace cannot be read: matches no namespace, so never swept.
+UNKNOWN_NAMESPACE = "00000000"
 
 # The start time of a process is only known to the clock tick and boot time to the
 # second; within this slack a segment is presumed to belong to the running process.
 CLOCK_SLACK_S = 2.0
+
+
+def pid_namespace() -> str | None:
+    """Our PID namespace as 8 hex digits (its inode in nsfs), or None when it cannot be
+    read, or when the /proc we see belongs to another namespace (then its pids are not
+    ours to judge). Not cached: a process may unshare or be forked into a new one."""
+    try:
+        ino = os.stat("/proc/self/ns/pid").st_ino
+        if os.readlink("/proc/self") != str(os.getpid()):
+            return None
+    except OSError:
+        return None
+    return f"{ino & 0xFFFFFFFF:08x}"
+
+
+def loader_prefix(pid: int) -> str:
+    """The segment name prefix of a loader whose main process is `pid` (ours)."""
+    return f"fastloader-{pid}-{pid_namespace() or UNKNOWN_NAMESPACE}{os.urandom(5).hex()}"
+
+
+def segment_namespace_state(name: str) -> tuple[bool, str]:
+    """(ours, why): whether the pid in a fastloader segment's name can be judged by our
+    /proc. Names from another PID namespace, and names without one, cannot."""
+    match = NAMESPACED_NAME.match(name)
+    if match is None:
+        return False, "other namespace, left alone (name carries no PID namespace)"
+    here = pid_namespace()
+    if here is None:
+        return False, "other namespace, left alone (our PID namespace is unreadable)"
+    if match.group(2) != here:
+        return False, f"other namespace, left alone (PID namespace {match.group(2)})"
+    return True, "our PID namespace"
+
+
+# Any fastloader name that carries a namespace: loader channels and packed arrays.
+NAMESPACED_NAME = re.compile(r"fastloader-(?:pack-)?(\d+)-([0-9a-f]{8})[0-9a-f]{10}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -64,6 +108,9 @@ def sweep_dead_loaders(shm_dir: str = SHM_DIR) -> list:
     runs it when it starts."""
     removed = []
     euid = os.geteuid()
+    here = pid_namespace()
+    if here is None or here == UNKNOWN_NAMESPACE:
+        return removed   # no pid can be judged
     try:
         entries = os.scandir(shm_dir)
     except OSError:
@@ -71,8 +118,8 @@ def sweep_dead_loaders(shm_dir: str = SHM_DIR) -> list:
     with entries:
         for entry in entries:
             match = LOADER_SEGMENT.match(entry.name)
-            if match is None:
-                continue
+            if match is None or match.group(2) != here:
+                continue   # another PID namespace's loader: its pid means nothing here
             try:
                 st = entry.stat(follow_symlinks=False)
             except OSError:

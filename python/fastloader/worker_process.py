@@ -10,17 +10,25 @@ each one in a ``WorkerProcess``: the Process surface, still answering (pid, name
 exit code) once closed, and never signalling a pid that may have been reused."""
 from __future__ import annotations
 
+from multiprocessing.process import BaseProcess
 from typing import Optional
 
 __all__ = ["WorkerProcess"]
 
 
-class WorkerProcess:
-    """A started worker process with ``multiprocessing.Process``'s surface."""
+class WorkerProcess(BaseProcess):
+    """A started worker process with ``multiprocessing.Process``'s surface, and an
+    instance of ``multiprocessing.process.BaseProcess`` (code checks isinstance).
+
+    BaseProcess.__init__ is not called (as CPython's own _ParentProcess does not):
+    it would make a second, unstarted process. Every public member is overridden
+    here, so none of BaseProcess's reads the attributes __init__ would have set;
+    the process is never registered as a child of this one (active_children() and
+    multiprocessing's cleanup leave it to the pool, which reaps it)."""
 
     __slots__ = ("_proc", "_pid", "_name", "_daemon", "_exitcode", "_closed")
 
-    def __init__(self, proc):
+    def __init__(self, proc):  # noqa: D107 -- BaseProcess.__init__ deliberately not called
         self._proc = proc
         self._pid = proc.pid
         self._name = proc.name
@@ -42,6 +50,20 @@ class WorkerProcess:
     @property
     def daemon(self) -> bool:
         return self._daemon
+
+    @property
+    def authkey(self) -> bytes:
+        return self._proc.authkey
+
+    def start(self) -> None:
+        raise AssertionError("cannot start a process twice")   # as multiprocessing says
+
+    def run(self) -> None:
+        raise RuntimeError("a fastloader worker runs in its own process only")
+
+    def _check_closed(self) -> None:
+        if self._closed:
+            raise ValueError("process object is closed")
 
     @property
     def sentinel(self) -> int:
