@@ -13,7 +13,9 @@ import numpy as np
 import psutil
 import torch
 
-SHM_GLOB = "/dev/shm/fastloader-*"
+from fastloader.sharing import NAME_ROOT, parse_segment_name
+
+SHM_GLOB = f"/dev/shm/{NAME_ROOT}-*"
 
 
 # ---- comparing batches --------------------------------------------------------------
@@ -222,17 +224,14 @@ def shm_names():
     return set(glob.glob(SHM_GLOB))
 
 
-_SHM_PID = re.compile(r"fastloader-(?:[a-z]+-)?(\d+)-")
-
-
 def _foreign(path):
     """Best effort on a shared machine: a name embedding the pid of a live process that
     is neither us nor one of our descendants belongs to someone else's session.
     Names without a pid, or with a dead pid (a crash leftover), always count."""
-    match = _SHM_PID.search(os.path.basename(path))
-    if not match:
+    parsed = parse_segment_name(os.path.basename(path))
+    if parsed is None:
         return False
-    pid = int(match.group(1))
+    pid = parsed.pid
     if pid == os.getpid() or pid in loader_children() or is_gone(pid):
         return False
     return True

@@ -109,6 +109,47 @@ def test_mypy_accepts_the_annotations(tmp_path):
     assert "fastloader.dataloader.DataLoader[list[torch._tensor.Tensor]]" in out.stdout, out.stdout
 
 
+def test_mypy_checks_the_public_api(tmp_path):
+    """The public API type-checks as documented, and mypy sees through it: a wrong
+    argument type is reported (so the check above is not vacuous)."""
+    pytest.importorskip("mypy")
+    src = tmp_path / "public_api.py"
+    src.write_text(textwrap.dedent("""
+        from typing import Any, Dict, List, Optional
+        import torch
+        import fastloader
+        from fastloader import (DataLoader, FastLoaderError, PackedArray, PackedStringArray,
+                                WorkerError, install, installed, uninstall)
+
+        names = PackedStringArray(["a", "b"], sharing_strategy="file_system")
+        first: str = names[0]
+        records = PackedArray([{"k": 1}])
+        loader: DataLoader[List[torch.Tensor]] = DataLoader(
+            [torch.ones(2)] * 4, batch_size=2, num_workers=0,
+            sharing_strategy="file_descriptor", snapshot_every_n_steps=0)
+        state: Dict[str, Any] = loader.state_dict()
+        loader.load_state_dict(state)
+        stats: Optional[Dict[str, Any]] = loader.stats()
+        install("file_system")
+        on: bool = installed()
+        uninstall()
+        assert issubclass(WorkerError, FastLoaderError) and issubclass(WorkerError, RuntimeError)
+        version: str = fastloader.__version__
+        DataLoader([1], sharing_strategy=1)   # the one error expected below
+        """))
+    env = dict(os.environ, MYPYPATH=os.path.dirname(os.path.dirname(fastloader.__file__)))
+    out = subprocess.run([sys.executable, "-m", "mypy", "--no-incremental",
+                          "--follow-imports=silent", "--ignore-missing-imports",
+                          "--cache-dir", str(tmp_path / "cache"), str(src)],
+                         capture_output=True, text=True, env=env, timeout=600)
+    errors = [line for line in out.stdout.splitlines() if ": error:" in line]
+    assert len(errors) == 1, out.stdout + out.stderr
+    bad_line = 1 + next(i for i, line in enumerate(src.read_text().splitlines())
+                        if "sharing_strategy=1" in line)
+    assert f"public_api.py:{bad_line}:" in errors[0] and '"sharing_strategy"' in errors[0], \
+        errors
+
+
 # ---- 2. iter(loader)._workers -----------------------------------------------------------
 
 def _workers_running(it, n):

@@ -15,7 +15,6 @@ import subprocess
 import sys
 import textwrap
 import traceback
-import types
 import uuid
 
 import pytest
@@ -152,10 +151,9 @@ def ours(prefix):
 def fixed_prefix(monkeypatch):
     """The pool's segment prefix, known in advance (as an attacker who watched the
     control block appear knows it): fastloader-<pid>-<10 hex>."""
-    tag = uuid.uuid4().hex
-    monkeypatch.setattr(fastloader.pool, "uuid",
-                        types.SimpleNamespace(uuid4=lambda: types.SimpleNamespace(hex=tag)))
-    return f"fastloader-{os.getpid()}-{tag[:10]}"
+    prefix = fastloader.sharing.loader_prefix()
+    monkeypatch.setattr(fastloader.sharing, "loader_prefix", lambda pid=None: prefix)
+    return prefix
 
 
 def predicted_names(prefix, workers=2, count=16):

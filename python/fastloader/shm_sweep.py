@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 import stat
 
-SHM_DIR = "/dev/shm"
+from .sharing import parse_segment_name
 
-# A loader's channel segments: fastloader-<main pid>-<10 hex>-w<worker id>-...
-# (the doctor also knows packed arrays' and torch's names)
-LOADER_SEGMENT = re.compile(r"fastloader-(\d+)-[0-9a-f]{10}-w\d+-")
+SHM_DIR = "/dev/shm"
 
 # The start time of a process is only known to the clock tick and boot time to the
 # second; within this slack a segment is presumed to belong to the running process.
@@ -70,8 +67,9 @@ def sweep_dead_loaders(shm_dir: str = SHM_DIR) -> list:
         return removed
     with entries:
         for entry in entries:
-            match = LOADER_SEGMENT.match(entry.name)
-            if match is None:
+            # only a loader's channel segments (see sharing.py for the names)
+            parsed = parse_segment_name(entry.name)
+            if parsed is None or not parsed.channel:
                 continue
             try:
                 st = entry.stat(follow_symlinks=False)
@@ -79,7 +77,7 @@ def sweep_dead_loaders(shm_dir: str = SHM_DIR) -> list:
                 continue   # removed meanwhile
             if not stat.S_ISREG(st.st_mode) or st.st_uid != euid:
                 continue
-            if owner_state(int(match.group(1)), st.st_mtime)[0]:
+            if owner_state(parsed.pid, st.st_mtime)[0]:
                 continue
             # The sticky bit of /dev/shm keeps other users from replacing our file
             # between the check and the unlink.
