@@ -109,3 +109,22 @@ def test_the_scan_sees_a_hidden_cycle(tmp_path):
                    "def k():\n    import numpy\n")
     assert _imports_inside_functions(str(src)) == [
         (2, "fastloader.dataloader"), (4, "fastloader.pool"), (6, "fastloader.worker")]
+
+
+def test_benchmarks_never_import_tests():
+    # tests may use benchmark datasets; the reverse would make `python -m benchmarks.x`
+    # depend on the test tree
+    bench_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                             "benchmarks")
+    offenders = []
+    for name in sorted(os.listdir(bench_dir)):
+        if not name.endswith(".py"):
+            continue
+        with open(os.path.join(bench_dir, name)) as f:
+            tree = ast.parse(f.read(), name)
+        for node in ast.walk(tree):
+            modules = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                       else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{name}:{node.lineno} imports {m}" for m in modules
+                          if m.split(".")[0] == "tests"]
+    assert not offenders, offenders
