@@ -14,7 +14,7 @@ import tempfile
 
 ROUNDS = 400
 ENTRY_POINTS = ["workerchan_publish", "fl_plan_build", "fl_plan_write", "fl_recv",
-                "take_result", "fl_decode", "mainchan_put_index", "workerchan_get_task"]
+                "fl_mainchan_take", "fl_decode", "mainchan_put_index", "workerchan_get_task"]
 
 DRIVER = f"""
 import torch

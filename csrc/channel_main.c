@@ -1,32 +1,24 @@
 /* MainChannel: the main process's end of one worker. It creates the control
  * block, sends tasks, receives results (mapping the worker's arenas and overflow
  * segments as they are announced) and decodes batches into views of the slots.
- * fl_recv waits on every worker at once: result eventfds and pidfds in one poll,
- * GIL released, woken by a worker's death, the timeout and Ctrl-C. */
+ * Waiting on every worker at once is recv.c's job. */
 #define _GNU_SOURCE
 #define NO_IMPORT_ARRAY
 #define PY_ARRAY_UNIQUE_SYMBOL fastloader_ARRAY_API
 #include "objects.h"
+#include "protocol.h"
 #include "codec.h"
-#include "pool.h"
-#include "seg_names.h"
+#include "liveness.h"
+#include "shm_names.h"
 #include "shm.h"
 #include <errno.h>
 #include <fcntl.h>
-#include <poll.h>
 #include <string.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
-
-/* message that travels with a segment fd over the channel's socket */
-typedef struct {
-    uint64_t seg_id;
-    uint64_t size;
-} fl_fdmsg;
 
 static void
 close_fd(int *fd)
@@ -86,14 +78,14 @@ mainchan_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     if (fl_fork_guard_install() < 0)
         goto fail_py;
     if (strategy == FL_STRATEGY_FS) {
-        fl_seg_ident ident = {0, 0, 0};
-        code = fl_seg_create_unique(c->prefix, 'c', 0, c->ctl_size, 1, c->ctl_name, &ident,
+        fl_shm_ident ident = {0, 0, 0};
+        code = fl_shm_create_unique(c->prefix, 'c', 0, c->ctl_size, 1, c->ctl_name, &ident,
                                     &c->ctl_fd, &err);
         c->ctl_dev = ident.dev;
         c->ctl_ino = ident.ino;
     }
     else {
-        code = fl_seg_create(NULL, c->ctl_size, 1, &c->ctl_fd, &err);
+        code = fl_shm_create(NULL, c->ctl_size, 1, &c->ctl_fd, &err);
     }
     if (code != FL_OK) {
         fl_raise_path(code, err, what, c->ctl_name[0] ? c->ctl_name : NULL);
@@ -101,11 +93,11 @@ mainchan_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         goto fail_py;
     }
     void *addr;
-    code = fl_seg_map(c->ctl_fd, c->ctl_size, &addr, &err);
+    code = fl_shm_map(c->ctl_fd, c->ctl_size, &addr, &err);
     if (code != FL_OK)
         goto fail;
     c->ctl = addr;
-    fl_seg_dontfork(addr, c->ctl_size);   /* workers map it themselves */
+    fl_shm_dontfork(addr, c->ctl_size);   /* workers map it themselves */
     fl_ctl_init(c->ctl, (uint32_t)wid, task_cap, res_cap, free_cap);
     if (strategy == FL_STRATEGY_FS)
         close_fd(&c->ctl_fd);   /* the worker opens it by name */
@@ -148,7 +140,7 @@ unlink_named(MainChannelObject *c)
      * this channel's prefix. The sweep removes only our own regular files: a name
      * another user planted with our prefix stays theirs. */
     c->ctl_name[0] = '\0';
-    fl_seg_unlink_prefix(c->prefix);
+    fl_shm_unlink_prefix(c->prefix);
 }
 
 /* Close every fd and remove named segments; the control block stays mapped until
@@ -212,7 +204,7 @@ mainchan_handle(MainChannelObject *c, PyObject *Py_UNUSED(ignored))
 }
 
 PyDoc_STRVAR(mainchan_started_doc,
-"started(pid)\n--\n\n"
+"started($self, pid)\n--\n\n"
 "Record the worker's pid, open a pidfd on it and close the fds only the child needed.");
 
 static PyObject *
@@ -244,7 +236,7 @@ wake_worker(MainChannelObject *c)
 }
 
 PyDoc_STRVAR(mainchan_put_index_doc,
-"put_index(seq, index) -> bool\n--\n\n"
+"put_index($self, seq, index)\n--\n\nReturns bool.\n"
 "Queue a fetch task. Lists of ints, ints and lists of None travel as raw int64s;\n"
 "returns False for any other index (the caller pickles it and uses put_task).");
 
@@ -311,7 +303,7 @@ mainchan_put_index(MainChannelObject *c, PyObject *const *args, Py_ssize_t nargs
 }
 
 PyDoc_STRVAR(mainchan_put_task_doc,
-"put_task(kind, seq, payload=b'')\n--\n\n"
+"put_task($self, kind, seq, payload=b'')\n--\n\n"
 "Queue a control or pickled task (payload: bytes-like).");
 
 static PyObject *
@@ -355,7 +347,7 @@ map_segment(MainChannelObject *c, const fl_result *r, uint64_t size, void **addr
     int fd = -1, code;
     if (c->strategy == FL_STRATEGY_FD) {
         fl_fdmsg m;
-        code = fl_recv_fd(c->sock_main, &fd, &m, sizeof(m), err);
+        code = fl_recv_fd(c->sock_main, &fd, &m, err);
         if (code != FL_OK)
             return code;
         if (m.seg_id != r->seg || m.size != size) {
@@ -370,9 +362,9 @@ map_segment(MainChannelObject *c, const fl_result *r, uint64_t size, void **addr
     }
     else {
         char name[FL_NAME_MAX], why[128];
-        fl_seg_ident ident = {r->token, r->dev, r->ino};
-        fl_seg_name(name, c->prefix, 's', r->seg, r->token);
-        code = fl_seg_open_verified(name, &ident, size, &fd, err, why, sizeof(why));
+        fl_shm_ident ident = {r->token, r->dev, r->ino};
+        fl_shm_name(name, c->prefix, 's', r->seg, r->token);
+        code = fl_shm_open_verified(name, &ident, size, &fd, err, why, sizeof(why));
         if (code != FL_OK) {
             size_t n = strlen(what);
             snprintf(what + n, what_len - n, " %s%s%s%s", FL_SHM_DIR, name,
@@ -381,14 +373,14 @@ map_segment(MainChannelObject *c, const fl_result *r, uint64_t size, void **addr
         }
         shm_unlink(name);   /* both sides have it now: the name is no longer needed */
     }
-    code = fl_seg_map(fd, size, addr, err);
+    code = fl_shm_map(fd, size, addr, err);
     close(fd);   /* the mapping keeps the memory; holding fds would exhaust ulimit -n */
     return code;
 }
 
-/* Turn one result descriptor into (worker_id, seq, kind, payload). */
-static PyObject *
-take_result(fl_state *st, MainChannelObject *c, const fl_result *r)
+/* Turn one result descriptor into (worker_id, seq, kind, payload, where). */
+PyObject *
+fl_mainchan_take(fl_state *st, MainChannelObject *c, const fl_result *r)
 {
     int err = 0, code;
     PyObject *payload = NULL, *owner_obj = NULL;
@@ -418,17 +410,9 @@ take_result(fl_state *st, MainChannelObject *c, const fl_result *r)
         }
         if (r->slot >= c->arena_nslots || r->nbytes > c->arena_slot_size)
             return fl_raise(FL_CORRUPT, 0, "receiving a batch");
-        OwnerObject *o = PyObject_GC_New(OwnerObject, st->OwnerType);
-        if (o == NULL)
+        owner_obj = fl_owner_new(st, c->arena, c, r->gen, r->slot);
+        if (owner_obj == NULL)
             return NULL;
-        o->seg = (SegmentObject *)Py_NewRef(c->arena);
-        o->chan = (MainChannelObject *)Py_NewRef(c);
-        o->gen = r->gen;
-        o->slot = r->slot;
-        fl_segment_hold(o->seg, r->slot);
-        o->pid = getpid();
-        PyObject_GC_Track(o);
-        owner_obj = (PyObject *)o;
         c->held++;
         payload = fl_decode(st, (uint8_t *)c->arena->addr + r->slot * c->arena_slot_size,
                             r->nbytes, owner_obj);
@@ -444,19 +428,10 @@ take_result(fl_state *st, MainChannelObject *c, const fl_result *r)
         SegmentObject *seg = fl_segment_new_batch(st, addr, size, 1, size);
         if (seg == NULL)
             return NULL;
-        OwnerObject *o = PyObject_GC_New(OwnerObject, st->OwnerType);
-        if (o == NULL) {
-            Py_DECREF(seg);
+        owner_obj = fl_owner_new(st, seg, NULL, 0, UINT32_MAX);
+        Py_DECREF(seg);   /* the owner holds it */
+        if (owner_obj == NULL)
             return NULL;
-        }
-        o->seg = seg;
-        o->chan = NULL;
-        o->gen = 0;
-        o->slot = UINT32_MAX;
-        fl_segment_hold(seg, 0);
-        o->pid = getpid();
-        PyObject_GC_Track(o);
-        owner_obj = (PyObject *)o;
         payload = fl_decode(st, addr, r->nbytes, owner_obj);
         c->n_overflow++;
     }
@@ -471,164 +446,6 @@ take_result(fl_state *st, MainChannelObject *c, const fl_result *r)
         c->n_batches++;
     return Py_BuildValue("(iLINI)", c->worker_id, (long long)r->seq, (unsigned)r->kind,
                          payload, (unsigned)r->where);
-}
-
-static double
-now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-/* Sleep at most this long without the GIL, so Ctrl-C delivered to another thread
- * still reaches us promptly. */
-#define FL_SLICE_MS 100
-
-PyObject *
-fl_recv(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
-{
-    fl_state *st = fl_module_state(module);
-    if (nargs != 3 || !PyTuple_Check(args[0]))
-        return PyErr_Format(PyExc_TypeError, "recv(channels: tuple, prefer: int, timeout)");
-    PyObject *chans = args[0];
-    Py_ssize_t n = PyTuple_GET_SIZE(chans);
-    Py_ssize_t prefer = PyLong_AsSsize_t(args[1]);
-    double timeout = args[2] == Py_None ? -1.0 : PyFloat_AsDouble(args[2]);
-    if (PyErr_Occurred())
-        return NULL;
-    if (n == 0)
-        return PyErr_Format(PyExc_ValueError, "recv: no channels");
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *o = PyTuple_GET_ITEM(chans, i);
-        if (Py_TYPE(o) != st->MainChannelType)
-            return PyErr_Format(PyExc_TypeError, "recv: expected MainChannel objects");
-        if (((MainChannelObject *)o)->closed || ((MainChannelObject *)o)->owner_pid != getpid())
-            return PyErr_Format(PyExc_ValueError, "fastloader: channel is closed");
-    }
-    if (prefer < 0 || prefer >= n)
-        prefer = 0;
-    double deadline = timeout >= 0 ? now_s() + timeout : 0;
-    struct pollfd *pfds = NULL;
-    PyObject *result = NULL;
-    for (;;) {
-        /* fast path: a published result needs no system call at all */
-        for (Py_ssize_t k = 0; k < n; k++) {
-            MainChannelObject *c = (MainChannelObject *)PyTuple_GET_ITEM(chans, (prefer + k) % n);
-            fl_result r;
-            int got = fl_res_pop(c->ctl, &r);
-            if (got < 0) {
-                fl_raise(FL_CORRUPT, 0, "reading the result ring");
-                goto done;
-            }
-            if (got) {
-                result = take_result(st, c, &r);
-                goto done;
-            }
-        }
-        /* announce that we sleep, then look once more (see fl_wake) */
-        int any = 0;
-        for (Py_ssize_t k = 0; k < n; k++) {
-            MainChannelObject *c = (MainChannelObject *)PyTuple_GET_ITEM(chans, k);
-            atomic_store(&c->ctl->main_waiting, 1);
-        }
-        for (Py_ssize_t k = 0; k < n && !any; k++)
-            any = !fl_res_empty(((MainChannelObject *)PyTuple_GET_ITEM(chans, k))->ctl);
-        int slice = FL_SLICE_MS;
-        if (timeout >= 0) {
-            double left = deadline - now_s();
-            if (left <= 0 && !any) {
-                result = Py_NewRef(Py_None);
-                goto clear_waiting;
-            }
-            if (left * 1000 < slice)
-                slice = left > 0 ? (int)(left * 1000) + 1 : 0;
-        }
-        if (!any) {
-            if (pfds == NULL) {
-                pfds = PyMem_Calloc((size_t)(2 * n), sizeof(struct pollfd));
-                if (pfds == NULL) {
-                    PyErr_NoMemory();
-                    goto clear_waiting;
-                }
-            }
-            for (Py_ssize_t k = 0; k < n; k++) {
-                MainChannelObject *c = (MainChannelObject *)PyTuple_GET_ITEM(chans, k);
-                pfds[2 * k] = (struct pollfd){.fd = c->efd_main, .events = POLLIN};
-                pfds[2 * k + 1] =
-                    (struct pollfd){.fd = c->watch ? c->pidfd : -1, .events = POLLIN};
-            }
-            int rc, saved = 0;
-            Py_BEGIN_ALLOW_THREADS
-            rc = poll(pfds, (nfds_t)(2 * n), slice);
-            saved = errno;
-            Py_END_ALLOW_THREADS
-            if (rc < 0 && saved != EINTR) {
-                fl_raise(FL_ERRNO, saved, "waiting for workers");
-                goto clear_waiting;
-            }
-            for (Py_ssize_t k = 0; k < n; k++) {
-                MainChannelObject *c = (MainChannelObject *)PyTuple_GET_ITEM(chans, k);
-                if (rc > 0 && (pfds[2 * k].revents & POLLIN))
-                    fl_drain_efd(c->efd_main);
-                int dead = c->watch && ((rc > 0 && pfds[2 * k + 1].revents) ||
-                                        (c->pidfd < 0 && c->pid > 0 &&
-                                         fl_proc_dead(c->pid, c->pidfd)));
-                /* a worker may publish and then die: deliver what it published first */
-                if (dead && fl_res_empty(c->ctl)) {
-                    result = Py_BuildValue("(iLIOI)", c->worker_id, -1LL, 0u, Py_None, 0u);
-                    goto clear_waiting;
-                }
-            }
-            if (PyErr_CheckSignals() < 0)
-                goto clear_waiting;
-        }
-        for (Py_ssize_t k = 0; k < n; k++)
-            atomic_store(&((MainChannelObject *)PyTuple_GET_ITEM(chans, k))->ctl->main_waiting, 0);
-    }
-clear_waiting:
-    for (Py_ssize_t k = 0; k < n; k++)
-        atomic_store(&((MainChannelObject *)PyTuple_GET_ITEM(chans, k))->ctl->main_waiting, 0);
-done:
-    PyMem_Free(pfds);
-    return result;
-}
-
-PyObject *
-fl_decode_bytes(PyObject *module, PyObject *arg)
-{
-    /* For tests and fuzzing: decode an encoded batch held in any bytes-like object
-     * (the views keep a copy of the bytes alive). */
-    fl_state *st = fl_module_state(module);
-    PyObject *copy = PyByteArray_FromObject(arg);
-    if (copy == NULL)
-        return NULL;
-    size_t n = (size_t)PyByteArray_GET_SIZE(copy);
-    void *addr = mmap(NULL, n ? n : 1, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
-                      -1, 0);
-    if (addr == MAP_FAILED) {
-        Py_DECREF(copy);
-        return PyErr_SetFromErrno(PyExc_OSError);
-    }
-    memcpy(addr, PyByteArray_AS_STRING(copy), n);
-    Py_DECREF(copy);
-    SegmentObject *seg = fl_segment_new(st, addr, n ? n : 1);
-    if (seg == NULL)
-        return NULL;
-    OwnerObject *o = PyObject_GC_New(OwnerObject, st->OwnerType);
-    if (o == NULL) {
-        Py_DECREF(seg);
-        return NULL;
-    }
-    o->seg = seg;
-    o->chan = NULL;
-    o->gen = 0;
-    o->slot = UINT32_MAX;
-    o->pid = getpid();
-    PyObject_GC_Track(o);
-    PyObject *r = fl_decode(st, addr, n, (PyObject *)o);
-    Py_DECREF(o);
-    return r;
 }
 
 static PyObject *
@@ -693,12 +510,6 @@ mainchan_get_closed(MainChannelObject *c, void *Py_UNUSED(closure))
     return PyBool_FromLong(c->closed);
 }
 
-static PyObject *
-mainchan_pending(MainChannelObject *c, PyObject *Py_UNUSED(ignored))
-{
-    return PyBool_FromLong(c->ctl != NULL && c->owner_pid == getpid() && !fl_res_empty(c->ctl));
-}
-
 static PyGetSetDef mainchan_getset[] = {
     {"watch", (getter)mainchan_get_watch, (setter)mainchan_set_watch,
      PyDoc_STR("Whether this worker's exit counts as a failure."), NULL},
@@ -719,8 +530,6 @@ static PyMethodDef mainchan_methods[] = {
     {"stats", (PyCFunction)mainchan_stats, METH_NOARGS, PyDoc_STR("stats() -> dict")},
     {"arena", (PyCFunction)mainchan_arena, METH_NOARGS,
      PyDoc_STR("arena() -> (address, nbytes) of the current ring arena, or None")},
-    {"pending", (PyCFunction)mainchan_pending, METH_NOARGS,
-     PyDoc_STR("pending() -> True if results wait in the ring")},
     {"close", (PyCFunction)mainchan_close, METH_NOARGS,
      PyDoc_STR("close(): close fds and remove named segments")},
     {NULL, NULL, 0, NULL},
@@ -738,9 +547,15 @@ static PyType_Slot mainchan_slots[] = {
     {0, NULL},
 };
 
-PyType_Spec fl_main_channel_spec = {
+static PyType_Spec fl_main_channel_spec = {
     .name = "fastloader._core.MainChannel",
     .basicsize = sizeof(MainChannelObject),
     .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .slots = mainchan_slots,
 };
+
+int
+fl_main_channel_init(PyObject *module, fl_state *st)
+{
+    return fl_add_type(module, &fl_main_channel_spec, &st->MainChannelType);
+}

@@ -8,9 +8,10 @@
 #define NO_IMPORT_ARRAY
 #define PY_ARRAY_UNIQUE_SYMBOL fastloader_ARRAY_API
 #include "objects.h"
+#include "protocol.h"
 #include "codec.h"
-#include "pool.h"
-#include "seg_names.h"
+#include "liveness.h"
+#include "shm_names.h"
 #include "shm.h"
 #include <errno.h>
 #include <poll.h>
@@ -19,11 +20,6 @@
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
-
-typedef struct {
-    uint64_t seg_id;
-    uint64_t size;
-} fl_fdmsg;
 
 /* Arenas above this size are not made: such batches always overflow. */
 #define FL_ARENA_MAX ((size_t)2 << 30)
@@ -64,7 +60,7 @@ workerchan_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     w->ctl_size = (size_t)PyLong_AsSsize_t(o_size);
     w->main_pid = (pid_t)PyLong_AsLong(o_pid);
     w->nslots_target = nslots < 2 ? 2 : (nslots > 64 ? 64 : nslots);
-    fl_seg_ident ctl_ident = {0, PyLong_AsUnsignedLongLong(o_dev),
+    fl_shm_ident ctl_ident = {0, PyLong_AsUnsignedLongLong(o_dev),
                               PyLong_AsUnsignedLongLong(o_ino)};
     const char *prefix = PyUnicode_AsUTF8(o_prefix);
     const char *ctl_name = PyUnicode_AsUTF8(o_name);
@@ -73,7 +69,7 @@ workerchan_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     snprintf(w->prefix, sizeof(w->prefix), "%s", prefix);
     if (w->strategy == FL_STRATEGY_FS) {
         char why[128], what[FL_NAME_MAX + 200];
-        code = fl_seg_open_verified(ctl_name, &ctl_ident, w->ctl_size, &ctl_fd, &err, why,
+        code = fl_shm_open_verified(ctl_name, &ctl_ident, w->ctl_size, &ctl_fd, &err, why,
                                     sizeof(why));
         if (code != FL_OK) {
             snprintf(what, sizeof(what), "opening the control block %s%s: refused, %s",
@@ -83,7 +79,7 @@ workerchan_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         }
     }
     void *addr;
-    code = fl_seg_map(ctl_fd, w->ctl_size, &addr, &err);
+    code = fl_shm_map(ctl_fd, w->ctl_size, &addr, &err);
     close(ctl_fd);
     if (code != FL_OK) {
         fl_raise(code, err, "mapping the control block");
@@ -200,7 +196,7 @@ task_to_python(const fl_task_hdr *h, const uint8_t *p)
 }
 
 PyDoc_STRVAR(workerchan_get_task_doc,
-"get_task() -> (kind, seq, index) or None\n--\n\n"
+"get_task($self)\n--\n\nReturns (kind, seq, index) or None.\n"
 "Wait for the next task (GIL released). None: the main process is gone.");
 
 static uint64_t
@@ -306,18 +302,18 @@ new_arena(WorkerChannelObject *w, size_t need, int *err)
     }
     uint64_t id = atomic_fetch_add(&w->ctl->next_seg_id, 1);
     char name[FL_NAME_MAX] = "";
-    fl_seg_ident ident = {0, 0, 0};
+    fl_shm_ident ident = {0, 0, 0};
     int fd = -1, code;
     void *addr = NULL;
     if (fs)
-        code = fl_seg_create_unique(w->prefix, 's', id, size, 0, name, &ident, &fd, err);
+        code = fl_shm_create_unique(w->prefix, 's', id, size, 0, name, &ident, &fd, err);
     else
-        code = fl_seg_create(NULL, size, 0, &fd, err);
+        code = fl_shm_create(NULL, size, 0, &fd, err);
     if (fs)
         fl_worker_end_create();
     if (code != FL_OK)
         goto fail;
-    code = fl_seg_map(fd, size, &addr, err);
+    code = fl_shm_map(fd, size, &addr, err);
     if (code == FL_OK && fl_test_fail_arena_setup > 0) {   /* test seam: the last step fails */
         fl_test_fail_arena_setup--;
         code = FL_NOMEM;
@@ -344,7 +340,6 @@ new_arena(WorkerChannelObject *w, size_t need, int *err)
     w->nslots = nslots;
     w->arena_seg = id;
     w->gen++;
-    w->n_arenas++;
     atomic_store(&w->ctl->arena_bytes, size);
     atomic_store(&w->ctl->arena_reserved, 0);
     return FL_OK;
@@ -374,7 +369,7 @@ reserve_slot(WorkerChannelObject *w, uint32_t slot, size_t need, int *err)
     size_t have = w->reserved[slot];
     if (want <= have)
         return FL_OK;
-    int code = fl_seg_reserve(w->arena_fd, (size_t)slot * w->slot_size + have, want - have, err);
+    int code = fl_shm_reserve(w->arena_fd, (size_t)slot * w->slot_size + have, want - have, err);
     if (code != FL_OK)
         return code;
     w->reserved[slot] = want;
@@ -399,12 +394,12 @@ send_seg_fd(WorkerChannelObject *w, int fd, uint64_t id, uint64_t size, int *err
     if (!res_has_room(w->ctl))
         return FL_FULL;
     fl_fdmsg m = {id, size};
-    return fl_send_fd(w->sock, fd, &m, sizeof(m), err);
+    return fl_send_fd(w->sock, fd, &m, err);
 }
 
 static int
 make_overflow(WorkerChannelObject *w, size_t need, uint8_t **addr, size_t *size, uint64_t *id,
-              int *fd, char *name, fl_seg_ident *ident, int *err)
+              int *fd, char *name, fl_shm_ident *ident, int *err)
 {
     int fs = w->strategy == FL_STRATEGY_FS;
     *size = FL_ALIGN_UP(need, 4096);
@@ -415,15 +410,15 @@ make_overflow(WorkerChannelObject *w, size_t need, uint8_t **addr, size_t *size,
     *id = atomic_fetch_add(&w->ctl->next_seg_id, 1);
     int code;
     if (fs)
-        code = fl_seg_create_unique(w->prefix, 's', *id, *size, 1, name, ident, fd, err);
+        code = fl_shm_create_unique(w->prefix, 's', *id, *size, 1, name, ident, fd, err);
     else
-        code = fl_seg_create(NULL, *size, 1, fd, err);
+        code = fl_shm_create(NULL, *size, 1, fd, err);
     if (fs)
         fl_worker_end_create();
     if (code != FL_OK)
         return code;
     void *p;
-    code = fl_seg_map(*fd, *size, &p, err);
+    code = fl_shm_map(*fd, *size, &p, err);
     if (code != FL_OK) {
         close(*fd);
         *fd = -1;
@@ -447,7 +442,7 @@ push_result(WorkerChannelObject *w, const fl_result *r)
 }
 
 PyDoc_STRVAR(workerchan_publish_doc,
-"publish(kind, seq, obj=None)\n--\n\n"
+"publish($self, kind, seq, obj=None)\n--\n\n"
 "Encode obj into a ring slot (or an overflow segment) and hand it to the main\n"
 "process. With obj None and kind not a batch, sends a bare notification.");
 
@@ -459,7 +454,7 @@ workerchan_publish(WorkerChannelObject *w, PyObject *args)
     PyObject *obj = NULL;
     if (!PyArg_ParseTuple(args, "IL|O", &kind, &seq, &obj))
         return NULL;
-    fl_state *st = fl_get_state_from_type(Py_TYPE(w));
+    fl_state *st = fl_state_of_type(Py_TYPE(w));
     fl_result r;
     memset(&r, 0, sizeof(r));
     r.seq = seq;
@@ -477,7 +472,7 @@ workerchan_publish(WorkerChannelObject *w, PyObject *args)
     size_t ovf_size = 0;
     uint64_t ovf_id = 0;
     char ovf_name[FL_NAME_MAX] = "";
-    fl_seg_ident ovf_ident = {0, 0, 0};
+    fl_shm_ident ovf_ident = {0, 0, 0};
     int pushed = 0;
     PyObject *ret = NULL;
     if (plan == NULL)
@@ -549,11 +544,9 @@ workerchan_publish(WorkerChannelObject *w, PyObject *args)
     }
     r.nbytes = need;
     /* counted before the push, so that whoever sees the batch sees it counted */
-    w->n_published++;
     atomic_fetch_add_explicit(&w->ctl->published, 1, memory_order_relaxed);
     code = push_result(w, &r);
     if (code != FL_OK) {
-        w->n_published--;
         atomic_fetch_sub_explicit(&w->ctl->published, 1, memory_order_relaxed);
         fl_raise(code, 0, "publishing a result");
         goto done;
@@ -564,7 +557,6 @@ workerchan_publish(WorkerChannelObject *w, PyObject *args)
         w->arena_announced = 1;
     }
     else {
-        w->n_overflow++;
         atomic_fetch_add_explicit(&w->ctl->overflowed, 1, memory_order_relaxed);
     }
     ret = Py_NewRef(Py_None);
@@ -577,18 +569,6 @@ done:
         shm_unlink(ovf_name);   /* never announced: nobody else will open it */
     fl_plan_free(plan);
     return ret;
-}
-
-static PyObject *
-workerchan_stats(WorkerChannelObject *w, PyObject *Py_UNUSED(ignored))
-{
-    return Py_BuildValue("{s:K,s:K,s:K,s:n,s:I,s:n,s:K}", "published",
-                         (unsigned long long)w->n_published, "overflow",
-                         (unsigned long long)w->n_overflow, "arenas",
-                         (unsigned long long)w->n_arenas, "slot_size",
-                         (Py_ssize_t)w->slot_size, "slots", w->nslots, "arena_bytes",
-                         (Py_ssize_t)w->arena_size, "arena_reserved_bytes",
-                         (unsigned long long)atomic_load(&w->ctl->arena_reserved));
 }
 
 /* The worker leaves its loop, whichever way. Results it published stay: the main
@@ -639,7 +619,7 @@ workerchan_test_hook(PyObject *Py_UNUSED(cls), PyObject *args)
             }
         }
         Py_DECREF(seq);
-        fl_seg_test_tokens(tokens, (size_t)n);
+        fl_shm_test_tokens(tokens, (size_t)n);
         Py_RETURN_NONE;
     }
     return PyErr_Format(PyExc_ValueError, "_test_hook: unknown name %s", name);
@@ -648,7 +628,6 @@ workerchan_test_hook(PyObject *Py_UNUSED(cls), PyObject *args)
 static PyMethodDef workerchan_methods[] = {
     {"get_task", (PyCFunction)workerchan_get_task, METH_NOARGS, workerchan_get_task_doc},
     {"publish", (PyCFunction)workerchan_publish, METH_VARARGS, workerchan_publish_doc},
-    {"stats", (PyCFunction)workerchan_stats, METH_NOARGS, PyDoc_STR("stats() -> dict")},
     {"cleanup", (PyCFunction)workerchan_cleanup, METH_NOARGS,
      PyDoc_STR("cleanup(): the worker leaves; if the main process is gone, remove its "
                "named segments")},
@@ -667,9 +646,15 @@ static PyType_Slot workerchan_slots[] = {
     {0, NULL},
 };
 
-PyType_Spec fl_worker_channel_spec = {
+static PyType_Spec fl_worker_channel_spec = {
     .name = "fastloader._core.WorkerChannel",
     .basicsize = sizeof(WorkerChannelObject),
     .flags = Py_TPFLAGS_DEFAULT,
     .slots = workerchan_slots,
 };
+
+int
+fl_worker_channel_init(PyObject *module, fl_state *st)
+{
+    return fl_add_type(module, &fl_worker_channel_spec, &st->WorkerChannelType);
+}

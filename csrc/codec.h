@@ -13,7 +13,7 @@
  * value as NumPy pickles them: C order, or F order when only F-contiguous. */
 #ifndef FL_CODEC_H
 #define FL_CODEC_H
-#include "fl_common.h"
+#include "state.h"
 
 #define FL_BATCH_MAGIC 0x464c4254u /* "FLBT" */
 
@@ -27,4 +27,7 @@ size_t fl_plan_size(const fl_plan *p);
 int fl_plan_write(fl_state *st, fl_plan *p, uint8_t *dst, size_t cap);
 
 PyObject *fl_decode(fl_state *st, const uint8_t *base, size_t cap, PyObject *owner);
+
+/* Called once from module_exec: set_hooks(), set_fast_tensor(), encode(), decode(). */
+int fl_codec_init(PyObject *module);
 #endif

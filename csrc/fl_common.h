@@ -35,29 +35,4 @@ PyObject *fl_raise(int code, int err, const char *what);
  * size in `what`. */
 PyObject *fl_raise_path(int code, int err, const char *what, const char *filename);
 
-/* The module-level exception classes, created once in module.c. */
-typedef struct {
-    PyObject *FastLoaderError;
-    PyObject *WorkerError;
-    PyObject *DecodeError;
-    PyTypeObject *SegmentType;
-    PyTypeObject *OwnerType;
-    PyTypeObject *MainChannelType;
-    PyTypeObject *WorkerChannelType;
-    /* Python-side hooks registered by fastloader at import (see _codec_hooks.py) */
-    PyObject *tensor_type;     /* torch.Tensor */
-    PyObject *stack_type;      /* fastloader's deferred-stack type */
-    PyObject *hook_export;     /* tensor -> (ndarray, dtype_code, requires_grad) */
-    PyObject *hook_plan;       /* deferred stack -> (shape, np.dtype, dtype_code) */
-    PyObject *hook_fill;       /* (deferred stack, dest ndarray) -> None */
-    PyObject *hook_to_tensor;  /* (ndarray, dtype_code, requires_grad) -> tensor */
-    PyObject *hook_dumps;      /* obj -> (bytes, [out-of-band tensors]) */
-    PyObject *hook_loads;      /* (buffer, [tensors]) -> obj */
-    PyObject *class_cache;     /* pickled class bytes -> class, for namedtuples */
-    PyObject *from_numpy;      /* torch.from_numpy: the whole decode for plain dtypes */
-    uint8_t plain_code[64];    /* dtype codes that from_numpy alone gets right */
-} fl_state;
-
-fl_state *fl_get_state_from_type(PyTypeObject *tp);
-
 #endif

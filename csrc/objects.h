@@ -1,11 +1,13 @@
-/* The Python types of the C core:
- *   Segment      one shared mapping (ring arena or overflow segment)
- *   BatchOwner   keeps a slot busy while any view of its batch lives
- *   MainChannel  main-process end of one worker's control block
- *   WorkerChannel worker-process end */
+/* The Python types of the C core and the files that implement them:
+ *   Segment       this process's mapping of a shm file: a ring arena, an overflow
+ *                 segment, or decode()'s private copy (segment.c; words: shm.h)
+ *   BatchOwner    keeps a slot busy while any view of its batch lives (segment.c)
+ *   MainChannel   main-process end of one worker's control block (channel_main.c;
+ *                 waiting on all of them: recv.c)
+ *   WorkerChannel worker-process end (channel_worker.c) */
 #ifndef FL_OBJECTS_H
 #define FL_OBJECTS_H
-#include "fl_common.h"
+#include "state.h"
 #include "ring.h"
 #include <sys/types.h>
 
@@ -85,14 +87,14 @@ typedef struct {
     int arena_announced;     /* the main process was told of the current arena */
     char arena_name[FL_NAME_MAX];   /* file_system: unlinked if never announced */
     uint8_t *busy;
-    uint64_t n_published, n_overflow, n_arenas;
     uint64_t last_task_ns;   /* when get_task last returned: busy time starts */
 } WorkerChannelObject;
 
-extern PyType_Spec fl_segment_spec;
-extern PyType_Spec fl_owner_spec;
-extern PyType_Spec fl_main_channel_spec;
-extern PyType_Spec fl_worker_channel_spec;
+/* Component set-up, called once from module_exec: each adds its types. */
+int fl_segment_init(PyObject *module, fl_state *st);        /* Segment, BatchOwner */
+int fl_main_channel_init(PyObject *module, fl_state *st);   /* MainChannel */
+int fl_worker_channel_init(PyObject *module, fl_state *st); /* WorkerChannel */
+int fl_recv_init(PyObject *module);                         /* recv() */
 
 SegmentObject *fl_segment_new(fl_state *st, void *addr, size_t size);
 /* A batch mapping split into `nparts` parts of `part_size` bytes (page multiples):
@@ -104,8 +106,11 @@ void fl_segment_hold(SegmentObject *seg, uint32_t part);
 void fl_segment_release(SegmentObject *seg, uint32_t part);
 /* Register (once per process) the os.register_at_fork hook that applies the above. */
 int fl_fork_guard_install(void);
-/* module-level functions implemented beside MainChannel */
-PyObject *fl_recv(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
-PyObject *fl_decode_bytes(PyObject *module, PyObject *arg);
-fl_state *fl_module_state(PyObject *module);
+/* The one BatchOwner constructor: it references `seg` (and `chan`, NULL for
+ * an overflow segment or decoded bytes) and holds part `slot` of `seg` (part 0
+ * when slot is UINT32_MAX: not a ring slot) until it dies. New reference. */
+PyObject *fl_owner_new(fl_state *st, SegmentObject *seg, MainChannelObject *chan, uint32_t gen,
+                       uint32_t slot);
+/* MainChannel: turn one result descriptor into recv()'s tuple (recv.c). */
+PyObject *fl_mainchan_take(fl_state *st, MainChannelObject *c, const fl_result *r);
 #endif

@@ -1,4 +1,5 @@
 #include "fl_common.h"
+#include "protocol.h"
 #include "ring.h"
 #include <errno.h>
 #include <string.h>

@@ -10,33 +10,10 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stddef.h>
+#include "protocol.h"
 
 #define FL_CTL_MAGIC 0x464c4354u /* "FLCT" */
 #define FL_CTL_VERSION 1u
-
-/* task kinds */
-enum {
-    FL_TASK_PAD = 0,      /* filler up to the end of the byte ring */
-    FL_TASK_INDICES = 1,  /* payload: int64[n] -> list of int */
-    FL_TASK_INDEX = 2,    /* payload: int64 -> int */
-    FL_TASK_NONES = 3,    /* payload: int64 n -> [None] * n (iterable datasets) */
-    FL_TASK_PICKLE = 4,   /* payload: pickle bytes of the index object */
-    FL_TASK_RESUME = 5,   /* persistent workers: start a new epoch */
-    FL_TASK_SHUTDOWN = 6,
-    FL_TASK_CONTROL = 7,  /* payload: pickle of a Python-level control message */
-};
-
-/* result kinds */
-enum {
-    FL_RES_BATCH = 1,
-    FL_RES_ERROR = 2,     /* payload: an ExceptionWrapper */
-    FL_RES_ITER_END = 3,  /* the worker's IterableDataset replica is exhausted */
-    FL_RES_RESUMED = 4,   /* acknowledges FL_TASK_RESUME */
-    FL_RES_BATCH_SNAP = 5, /* payload: (batch, worker snapshot) for resuming */
-};
-
-/* where a result's payload lies */
-enum { FL_WHERE_NONE = 0, FL_WHERE_SLOT = 1, FL_WHERE_OVERFLOW = 2 };
 
 typedef struct {
     int64_t seq;

@@ -9,6 +9,7 @@
  * parts (slots) that a live batch points into are made inheritable again, so the
  * child can read them, and every other part is not. */
 #include "objects.h"
+#include "shm.h"
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -51,7 +52,7 @@ fl_segment_new_batch(fl_state *st, void *addr, size_t size, uint32_t nparts, siz
     if (g_batch_maps != NULL)
         g_batch_maps->prev = s;
     g_batch_maps = s;
-    (void)madvise(addr, size, MADV_DONTFORK);
+    fl_shm_dontfork(addr, size);
     return s;
 }
 
@@ -158,32 +159,36 @@ segment_traverse(SegmentObject *s, visitproc visit, void *arg)
     return 0;
 }
 
-static PyObject *
-segment_info(SegmentObject *s, PyObject *Py_UNUSED(ignored))
-{
-    return Py_BuildValue("(Kn)", (unsigned long long)(uintptr_t)s->addr, (Py_ssize_t)s->size);
-}
-
-static PyMethodDef segment_methods[] = {
-    {"info", (PyCFunction)segment_info, METH_NOARGS,
-     PyDoc_STR("info() -> (address, nbytes) of this mapping in the current process")},
-    {NULL, NULL, 0, NULL},
-};
-
 static PyType_Slot segment_slots[] = {
     {Py_tp_dealloc, segment_dealloc},
     {Py_tp_traverse, segment_traverse},
-    {Py_tp_methods, segment_methods},
     {Py_tp_doc, (void *)PyDoc_STR("A shared-memory mapping owned by fastloader.")},
     {0, NULL},
 };
 
-PyType_Spec fl_segment_spec = {
+static PyType_Spec fl_segment_spec = {
     .name = "fastloader._core.Segment",
     .basicsize = sizeof(SegmentObject),
     .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_DISALLOW_INSTANTIATION,
     .slots = segment_slots,
 };
+
+PyObject *
+fl_owner_new(fl_state *st, SegmentObject *seg, MainChannelObject *chan, uint32_t gen,
+             uint32_t slot)
+{
+    OwnerObject *o = PyObject_GC_New(OwnerObject, st->OwnerType);
+    if (o == NULL)
+        return NULL;
+    o->seg = (SegmentObject *)Py_NewRef(seg);
+    o->chan = (MainChannelObject *)Py_XNewRef(chan);
+    o->gen = gen;
+    o->slot = slot;
+    o->pid = getpid();
+    fl_segment_hold(seg, slot == UINT32_MAX ? 0 : slot);
+    PyObject_GC_Track(o);
+    return (PyObject *)o;
+}
 
 static void
 owner_release_part(OwnerObject *o)
@@ -238,9 +243,18 @@ static PyType_Slot owner_slots[] = {
     {0, NULL},
 };
 
-PyType_Spec fl_owner_spec = {
+static PyType_Spec fl_owner_spec = {
     .name = "fastloader._core.BatchOwner",
     .basicsize = sizeof(OwnerObject),
     .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_DISALLOW_INSTANTIATION,
     .slots = owner_slots,
 };
+
+int
+fl_segment_init(PyObject *module, fl_state *st)
+{
+    if (fl_add_type(module, &fl_segment_spec, &st->SegmentType) < 0 ||
+        fl_add_type(module, &fl_owner_spec, &st->OwnerType) < 0)
+        return -1;
+    return 0;
+}

@@ -10,7 +10,7 @@
 #include <unistd.h>
 
 int
-fl_seg_create(const char *name, size_t size, int reserve, int *fd_out, int *err)
+fl_shm_create(const char *name, size_t size, int reserve, int *fd_out, int *err)
 {
     int fd = -1;
     if (name == NULL)
@@ -23,7 +23,7 @@ fl_seg_create(const char *name, size_t size, int reserve, int *fd_out, int *err)
         goto fail;
     if (ftruncate(fd, (off_t)size) < 0)
         goto fail;
-    if (reserve && fl_seg_reserve(fd, 0, size, err) != FL_OK) {
+    if (reserve && fl_shm_reserve(fd, 0, size, err) != FL_OK) {
         errno = *err;
         goto fail;
     }
@@ -40,7 +40,7 @@ fail:
 }
 
 int
-fl_seg_reserve(int fd, size_t off, size_t len, int *err)
+fl_shm_reserve(int fd, size_t off, size_t len, int *err)
 {
     int rc;
     if (len == 0)
@@ -59,7 +59,7 @@ fl_seg_reserve(int fd, size_t off, size_t len, int *err)
 }
 
 int
-fl_seg_open(const char *name, int *fd_out, int *err)
+fl_shm_open(const char *name, int *fd_out, int *err)
 {
     int fd = shm_open(name, O_RDWR | O_CLOEXEC, 0);
     if (fd < 0) {
@@ -71,7 +71,7 @@ fl_seg_open(const char *name, int *fd_out, int *err)
 }
 
 int
-fl_seg_map(int fd, size_t size, void **addr_out, int *err)
+fl_shm_map(int fd, size_t size, void **addr_out, int *err)
 {
     void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (p == MAP_FAILED) {
@@ -83,14 +83,15 @@ fl_seg_map(int fd, size_t size, void **addr_out, int *err)
 }
 
 void
-fl_seg_dontfork(void *addr, size_t size)
+fl_shm_dontfork(void *addr, size_t size)
 {
     (void)madvise(addr, size, MADV_DONTFORK);
 }
 
 int
-fl_send_fd(int sock, int fd, const void *msg, size_t len, int *err)
+fl_send_fd(int sock, int fd, const fl_fdmsg *msg, int *err)
 {
+    const size_t len = sizeof(*msg);
     struct iovec iov = {.iov_base = (void *)msg, .iov_len = len};
     union {
         char buf[CMSG_SPACE(sizeof(int))];
@@ -120,8 +121,9 @@ fl_send_fd(int sock, int fd, const void *msg, size_t len, int *err)
 }
 
 int
-fl_recv_fd(int sock, int *fd_out, void *msg, size_t len, int *err)
+fl_recv_fd(int sock, int *fd_out, fl_fdmsg *msg, int *err)
 {
+    const size_t len = sizeof(*msg);
     struct iovec iov = {.iov_base = msg, .iov_len = len};
     union {
         char buf[CMSG_SPACE(sizeof(int))];

@@ -1,6 +1,6 @@
 #define _GNU_SOURCE
 #include "fl_common.h"
-#include "seg_names.h"
+#include "shm_names.h"
 #include "shm.h"
 #include <errno.h>
 #include <fcntl.h>
@@ -22,7 +22,7 @@ static uint64_t g_test_tokens[8];
 static size_t g_test_ntokens, g_test_next;
 
 void
-fl_seg_test_tokens(const uint64_t *tokens, size_t n)
+fl_shm_test_tokens(const uint64_t *tokens, size_t n)
 {
     if (n > sizeof(g_test_tokens) / sizeof(g_test_tokens[0]))
         n = sizeof(g_test_tokens) / sizeof(g_test_tokens[0]);
@@ -53,7 +53,7 @@ random_token(uint64_t *out, int *err)
 }
 
 void
-fl_seg_name(char *dst, const char *prefix, char kind, uint64_t id, uint64_t token)
+fl_shm_name(char *dst, const char *prefix, char kind, uint64_t id, uint64_t token)
 {
     static const char hex[] = "0123456789abcdef";
     size_t n = 0;
@@ -70,8 +70,8 @@ fl_seg_name(char *dst, const char *prefix, char kind, uint64_t id, uint64_t toke
 }
 
 int
-fl_seg_create_unique(const char *prefix, char kind, uint64_t id, size_t size, int reserve,
-                     char *name_out, fl_seg_ident *ident, int *fd_out, int *err)
+fl_shm_create_unique(const char *prefix, char kind, uint64_t id, size_t size, int reserve,
+                     char *name_out, fl_shm_ident *ident, int *fd_out, int *err)
 {
     int code = FL_ERRNO;
     *err = EEXIST;
@@ -80,8 +80,8 @@ fl_seg_create_unique(const char *prefix, char kind, uint64_t id, size_t size, in
         code = random_token(&token, err);
         if (code != FL_OK)
             break;
-        fl_seg_name(name_out, prefix, kind, id, token);
-        code = fl_seg_create(name_out, size, reserve, fd_out, err);
+        fl_shm_name(name_out, prefix, kind, id, token);
+        code = fl_shm_create(name_out, size, reserve, fd_out, err);
         if (code == FL_OK) {
             struct stat sb;
             if (fstat(*fd_out, &sb) < 0) {
@@ -104,10 +104,10 @@ fl_seg_create_unique(const char *prefix, char kind, uint64_t id, size_t size, in
 }
 
 int
-fl_seg_open_verified(const char *name, const fl_seg_ident *ident, uint64_t min_size,
+fl_shm_open_verified(const char *name, const fl_shm_ident *ident, uint64_t min_size,
                      int *fd_out, int *err, char *why, size_t why_len)
 {
-    char path[FL_SEG_PATH_MAX];
+    char path[FL_SHM_PATH_MAX];
     struct stat sb;
     int fd = -1;
     why[0] = '\0';
@@ -158,7 +158,7 @@ struct fl_dirent64 {
 };
 
 void
-fl_seg_unlink_prefix(const char *prefix)
+fl_shm_unlink_prefix(const char *prefix)
 {
     /* 8-byte aligned: dirent records are read in place */
     uint64_t buf[1024];

@@ -1,7 +1,7 @@
 #define _GNU_SOURCE
 #include "fl_common.h"
-#include "pool.h"
-#include "seg_names.h"
+#include "liveness.h"
+#include "shm_names.h"
 #include "shm.h"
 #include <errno.h>
 #include <poll.h>
@@ -93,7 +93,7 @@ fl_worker_unlink_pending(void)
     /* let creations in flight finish (bounded: never hang an exiting worker) */
     for (int i = 0; i < 2000 && atomic_load(&g_creating) > 0; i++)
         usleep(100);
-    fl_seg_unlink_prefix(g_prefix);
+    fl_shm_unlink_prefix(g_prefix);
 }
 
 static volatile sig_atomic_t g_watchdog_running;

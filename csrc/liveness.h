@@ -1,8 +1,8 @@
 /* Worker liveness: pidfds in the main process; in workers, PR_SET_PDEATHSIG and
  * a watchdog thread that notice the main process's death, remove the worker's
  * named segments (file_system strategy) and exit. */
-#ifndef FL_POOL_H
-#define FL_POOL_H
+#ifndef FL_LIVENESS_H
+#define FL_LIVENESS_H
 #include <sys/types.h>
 #include "ring.h"
 

@@ -1,0 +1,156 @@
+/* recv(): the main process waits for the next result of any worker. The result
+ * eventfds and the workers' pidfds go into one poll, with the GIL released, woken
+ * by a result, a worker's death, the timeout and Ctrl-C; a published result is
+ * taken without any system call. */
+#define _GNU_SOURCE
+#include "objects.h"
+#include "liveness.h"
+#include "protocol.h"
+#include <errno.h>
+#include <poll.h>
+#include <time.h>
+#include <unistd.h>
+
+static double
+now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* Sleep at most this long without the GIL, so Ctrl-C delivered to another thread
+ * still reaches us promptly. */
+#define FL_SLICE_MS 100
+
+PyDoc_STRVAR(recv_doc,
+"recv(channels, prefer, timeout)\n--\n\nReturns (worker_id, seq, kind, payload, where) or None.\n"
+"Take the next result from any channel, starting with `prefer`. Waits with the GIL\n"
+"released; wakes on a result, a worker's death (returns seq -1 and kind RES_DEAD),\n"
+"the timeout in seconds (returns None; timeout None waits forever) and signals.\n"
+"`where`: WHERE_NONE no payload, WHERE_SLOT a ring slot, WHERE_OVERFLOW an overflow\n"
+"segment.");
+
+static PyObject *
+fl_recv(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    fl_state *st = fl_state_of_module(module);
+    if (!fl_hooks_ready(st))
+        return NULL;
+    if (nargs != 3 || !PyTuple_Check(args[0]))
+        return PyErr_Format(PyExc_TypeError, "recv(channels: tuple, prefer: int, timeout)");
+    PyObject *chans = args[0];
+    Py_ssize_t n = PyTuple_GET_SIZE(chans);
+    Py_ssize_t prefer = PyLong_AsSsize_t(args[1]);
+    double timeout = args[2] == Py_None ? -1.0 : PyFloat_AsDouble(args[2]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (n == 0)
+        return PyErr_Format(PyExc_ValueError, "recv: no channels");
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *o = PyTuple_GET_ITEM(chans, i);
+        if (Py_TYPE(o) != st->MainChannelType)
+            return PyErr_Format(PyExc_TypeError, "recv: expected MainChannel objects");
+        if (((MainChannelObject *)o)->closed || ((MainChannelObject *)o)->owner_pid != getpid())
+            return PyErr_Format(PyExc_ValueError, "fastloader: channel is closed");
+    }
+    if (prefer < 0 || prefer >= n)
+        prefer = 0;
+    double deadline = timeout >= 0 ? now_s() + timeout : 0;
+    struct pollfd *pfds = NULL;
+    PyObject *result = NULL;
+    for (;;) {
+        /* fast path: a published result needs no system call at all */
+        for (Py_ssize_t k = 0; k < n; k++) {
+            MainChannelObject *c = (MainChannelObject *)PyTuple_GET_ITEM(chans, (prefer + k) % n);
+            fl_result r;
+            int got = fl_res_pop(c->ctl, &r);
+            if (got < 0) {
+                fl_raise(FL_CORRUPT, 0, "reading the result ring");
+                goto done;
+            }
+            if (got) {
+                result = fl_mainchan_take(st, c, &r);
+                goto done;
+            }
+        }
+        /* announce that we sleep, then look once more (see fl_wake) */
+        int any = 0;
+        for (Py_ssize_t k = 0; k < n; k++) {
+            MainChannelObject *c = (MainChannelObject *)PyTuple_GET_ITEM(chans, k);
+            atomic_store(&c->ctl->main_waiting, 1);
+        }
+        for (Py_ssize_t k = 0; k < n && !any; k++)
+            any = !fl_res_empty(((MainChannelObject *)PyTuple_GET_ITEM(chans, k))->ctl);
+        int slice = FL_SLICE_MS;
+        if (timeout >= 0) {
+            double left = deadline - now_s();
+            if (left <= 0 && !any) {
+                result = Py_NewRef(Py_None);
+                goto clear_waiting;
+            }
+            if (left * 1000 < slice)
+                slice = left > 0 ? (int)(left * 1000) + 1 : 0;
+        }
+        if (!any) {
+            if (pfds == NULL) {
+                pfds = PyMem_Calloc((size_t)(2 * n), sizeof(struct pollfd));
+                if (pfds == NULL) {
+                    PyErr_NoMemory();
+                    goto clear_waiting;
+                }
+            }
+            for (Py_ssize_t k = 0; k < n; k++) {
+                MainChannelObject *c = (MainChannelObject *)PyTuple_GET_ITEM(chans, k);
+                pfds[2 * k] = (struct pollfd){.fd = c->efd_main, .events = POLLIN};
+                pfds[2 * k + 1] =
+                    (struct pollfd){.fd = c->watch ? c->pidfd : -1, .events = POLLIN};
+            }
+            int rc, saved = 0;
+            Py_BEGIN_ALLOW_THREADS
+            rc = poll(pfds, (nfds_t)(2 * n), slice);
+            saved = errno;
+            Py_END_ALLOW_THREADS
+            if (rc < 0 && saved != EINTR) {
+                fl_raise(FL_ERRNO, saved, "waiting for workers");
+                goto clear_waiting;
+            }
+            for (Py_ssize_t k = 0; k < n; k++) {
+                MainChannelObject *c = (MainChannelObject *)PyTuple_GET_ITEM(chans, k);
+                if (rc > 0 && (pfds[2 * k].revents & POLLIN))
+                    fl_drain_efd(c->efd_main);
+                int dead = c->watch && ((rc > 0 && pfds[2 * k + 1].revents) ||
+                                        (c->pidfd < 0 && c->pid > 0 &&
+                                         fl_proc_dead(c->pid, c->pidfd)));
+                /* a worker may publish and then die: deliver what it published first */
+                if (dead && fl_res_empty(c->ctl)) {
+                    result = Py_BuildValue("(iLIOI)", c->worker_id, FL_SEQ_DEAD,
+                                           (unsigned)FL_RES_DEAD, Py_None,
+                                           (unsigned)FL_WHERE_NONE);
+                    goto clear_waiting;
+                }
+            }
+            if (PyErr_CheckSignals() < 0)
+                goto clear_waiting;
+        }
+        for (Py_ssize_t k = 0; k < n; k++)
+            atomic_store(&((MainChannelObject *)PyTuple_GET_ITEM(chans, k))->ctl->main_waiting, 0);
+    }
+clear_waiting:
+    for (Py_ssize_t k = 0; k < n; k++)
+        atomic_store(&((MainChannelObject *)PyTuple_GET_ITEM(chans, k))->ctl->main_waiting, 0);
+done:
+    PyMem_Free(pfds);
+    return result;
+}
+
+static PyMethodDef recv_functions[] = {
+    {"recv", (PyCFunction)(void (*)(void))fl_recv, METH_FASTCALL, recv_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+int
+fl_recv_init(PyObject *module)
+{
+    return PyModule_AddFunctions(module, recv_functions);
+}
