@@ -3,8 +3,9 @@
 It follows torch's _MultiProcessingDataLoaderIter task for task (round-robin
 dispatch, prefetch_factor tasks per worker, in-order delivery with a reorder
 buffer, IterableDataset exhaustion per worker, persistent workers, timeout), so
-batches come out identical; only the transport differs. It also keeps what
-`DataLoader.state_dict()` needs to resume mid-epoch (see resume.py)."""
+batches come out identical; only the transport differs. What it remembers for
+`DataLoader.state_dict()` lives in resume.EpochTracker, its counters in
+stats.EpochCounters, and what outlives it in the loader's session.LoaderSession."""
 from __future__ import annotations
 
 import copy
