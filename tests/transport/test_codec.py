@@ -123,9 +123,13 @@ def test_random_bytes_raise_value_error():
 
 
 def _small(obj, limit=1 << 20):
-    """Whether re-encoding `obj` copies little (a mutated shape can be huge)."""
+    """Whether `obj` can be re-encoded and compared: little to copy (a mutated shape
+    can be huge), and no sparse tensor. A sparse tensor travels as torch's own
+    pickle, which (as torch.load without check_sparse_tensor_invariants, and as
+    torch's DataLoader transport) does not validate indices: flipped bytes there
+    make a tensor whose use writes out of bounds. Batches come from our own workers."""
     if isinstance(obj, torch.Tensor):
-        return obj.numel() <= limit
+        return obj.layout == torch.strided and obj.numel() <= limit
     if isinstance(obj, np.ndarray):
         return obj.size <= limit
     if isinstance(obj, dict):
@@ -154,8 +158,12 @@ def mutation_outcomes(seed=1234, rounds=3000, crash_file=None):
         try:
             out = _core.decode(bytes(blob))
         except ValueError as exc:
-            assert CORRUPT in str(exc) or isinstance(exc, UnicodeDecodeError), exc
-            outcomes["codec error"] += 1
+            if CORRUPT in str(exc) or isinstance(exc, UnicodeDecodeError):
+                outcomes["codec error"] += 1
+                continue
+            # e.g. "unsupported pickle protocol": a pickled element's own error
+            assert exc.__traceback__.tb_next is not None, f"{type(exc).__name__}: {exc}"
+            outcomes["element error"] += 1
             continue
         except (pickle.UnpicklingError, AttributeError, ImportError, EOFError, OverflowError,
                 RuntimeError, TypeError, KeyError, IndexError) as exc:
@@ -179,11 +187,8 @@ def test_mutated_bytes_decode_consistently_or_raise_precisely(tmp_path):
     done = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code, str(crash_file)],
                           capture_output=True, text=True, timeout=600, cwd=root)
     if done.returncode < 0:
-        # Known and reported (issue 15): the C codec sometimes crashes (SIGSEGV/SIGABRT,
-        # not reproducible from the saved input alone: it depends on the heap) while
-        # decoding or re-encoding a mutated batch. Not a Python-layer regression.
-        pytest.xfail(f"native crash (signal {-done.returncode}) on input "
-                     f"{crash_file.read_bytes().hex()}\n{done.stderr[-1500:]}")
+        pytest.fail(f"native crash (signal {-done.returncode}) on input "
+                    f"{crash_file.read_bytes().hex()}\n{done.stderr[-1500:]}")
     assert done.returncode == 0, done.stderr[-3000:]
     outcomes = json.loads(done.stdout.strip().splitlines()[-1])
     assert outcomes.get("codec error", 0) > 1000 and outcomes.get("decoded", 0) > 100, outcomes
