@@ -87,7 +87,7 @@ test-asan: install
 # Valgrind over every C path (tests/loopback.py); fails on a leak or memory error
 # with a frame in fastloader's C core (CPython/NumPy/torch's own reports ignored).
 leakcheck: install
-	$(VPY) -m tests.valgrind_check
+	$(VPY) -m tests.support.valgrind_check
 
 clean:
 	rm -rf build *.egg-info python/fastloader/*.so

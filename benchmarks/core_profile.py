@@ -18,7 +18,7 @@ ENTRY_POINTS = ["workerchan_publish", "fl_plan_build", "fl_plan_write", "fl_recv
 
 DRIVER = f"""
 import torch
-from tests.loopback import make_pair
+from benchmarks.loopback import make_pair
 from fastloader import _core
 from fastloader.collate import slot_collate
 main, worker = make_pair()

@@ -8,7 +8,7 @@ import sys
 import psutil
 import pytest
 
-from tests import helpers
+from tests.support import helpers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

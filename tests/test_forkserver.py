@@ -22,7 +22,7 @@ import multiprocessing
 import torch
 import fastloader
 from fastloader import forkserver as fs
-from tests.datasets import TensorLabelDataset
+from tests.support.datasets import TensorLabelDataset
 
 def has_core(pid):
     with open(f"/proc/{pid}/maps") as f:

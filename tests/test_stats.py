@@ -5,8 +5,8 @@ import sys
 import time
 
 import fastloader
-from tests import datasets as ds
-from tests.helpers import deadline
+from tests.support import datasets as ds
+from tests.support.helpers import deadline
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

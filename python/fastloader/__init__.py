@@ -2,7 +2,7 @@
 
     from fastloader import DataLoader   # was: from torch.utils.data import DataLoader
 """
-__version__ = "0.1.0"
+__version__ = "0.1.0"   # the only place the version is written (pyproject reads it)
 
 try:
     from . import _codec_hooks  # noqa: F401  (registers the codec with the C core)

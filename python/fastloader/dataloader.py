@@ -2,44 +2,22 @@
 from __future__ import annotations
 
 import inspect
-import weakref
 from typing import TypeVar
 
 from torch.utils.data import DataLoader as _TorchDataLoader
 
 from . import forkserver
 from . import resume as _resume
+from .install import warn_if_rebuilt_by_accelerate
 from .iterator import FastMultiProcessingIter
-from .pool import STRATEGIES
+from .session import session_of
+from .sharing import DEFAULT_STRATEGY as _DEFAULT_STRATEGY
+from .sharing import check_strategy as _check_strategy
 from .single import SingleProcessIter
-
-_DEFAULT_STRATEGY = "file_descriptor"
 
 # torch's DataLoader is Generic[T_co]; re-parameterising keeps `DataLoader[Batch]`
 # valid in annotations after the import swap (a plain subclass is not generic).
 T_co = TypeVar("T_co", covariant=True)
-
-# Per loader, outside its __dict__ so that pickling or deep-copying a loader works
-# as with torch: its last iterator (weakly) and what it left for state_dict().
-_ITERATORS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_FINAL_STATES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_PENDING_RESUME: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-_FINAL_STATS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def remember_final_state(loader, state, stats=None):
-    _FINAL_STATES[loader] = state
-    if stats is not None:
-        _FINAL_STATS[loader] = stats
-
-
-def _check_strategy(value):
-    if value not in STRATEGIES:
-        valid = ", ".join(repr(s) for s in STRATEGIES)
-        raise ValueError(f"sharing_strategy should be one of {valid}, but got {value!r}")
-    return value
 
 
 class DataLoader(_TorchDataLoader[T_co]):
@@ -84,8 +62,6 @@ class DataLoader(_TorchDataLoader[T_co]):
     def _is_accelerate_prepared(self):
         prepared = self.__dict__.get("_fastloader_accelerate_prepared", False)
         if not prepared:
-            from .install import warn_if_rebuilt_by_accelerate
-
             warn_if_rebuilt_by_accelerate(self)
         return prepared
 
@@ -94,18 +70,17 @@ class DataLoader(_TorchDataLoader[T_co]):
         self.__dict__["_fastloader_accelerate_prepared"] = value
 
     def _get_iterator(self):
-        resume = _PENDING_RESUME.pop(self, None)
+        session = session_of(self)
         if self.num_workers == 0:
-            it = SingleProcessIter(self, resume)
+            it = SingleProcessIter(self, session)
         else:
             self.check_worker_number_rationality()
-            it = FastMultiProcessingIter(self, resume)
-        _ITERATORS[self] = weakref.ref(it)
+            it = FastMultiProcessingIter(self, session)
+        session.started(it)
         return it
 
     def _live_iterator(self):
-        ref = _ITERATORS.get(self)
-        return ref() if ref is not None else None
+        return session_of(self).live_iterator()
 
     def state_dict(self) -> dict:
         """Where the current epoch stands: the sampler's starting RNG state, the
@@ -114,8 +89,8 @@ class DataLoader(_TorchDataLoader[T_co]):
         it = self._live_iterator()
         if it is not None:
             state = it.state_dict()
-        elif self in _FINAL_STATES:
-            state = dict(_FINAL_STATES[self])
+        elif session_of(self).final_state is not None:
+            state = dict(session_of(self).final_state)
         else:
             state = {"version": _resume.VERSION, "fresh": True}
         state["rng_now"] = _resume.capture_rng(self.generator)
@@ -136,7 +111,7 @@ class DataLoader(_TorchDataLoader[T_co]):
             # live persistent workers were seeded for another run: start afresh
             self._iterator._shutdown_workers()
             object.__setattr__(self, "_iterator", None)
-        _PENDING_RESUME[self] = state
+        session_of(self).resume_from(state)
 
     def stats(self, memory=True):
         """Statistics of this loader's current (or last) epoch with workers: batches
@@ -146,7 +121,7 @@ class DataLoader(_TorchDataLoader[T_co]):
         with num_workers=0."""
         it = self._live_iterator()
         if it is None or not hasattr(it, "stats") or it._shutdown:
-            return _FINAL_STATS.get(self)   # the epoch that ended, as it ended
+            return session_of(self).final_stats   # the epoch that ended, as it ended
         return it.stats(memory=memory)
 
 

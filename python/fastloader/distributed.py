@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 from ._core import FastLoaderError
+from .packed import attach_node_handle
 
 
 def _dist():
@@ -348,8 +349,6 @@ def _check_same_builder(calls, rank):
 
 
 def _attach_or_build(handle, build, rank, leader):
-    from .packed import attach_node_handle
-
     try:
         return attach_node_handle(handle)
     except (OSError, FastLoaderError) as exc:

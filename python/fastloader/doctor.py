@@ -30,6 +30,7 @@ import warnings
 import torch
 from torch.utils.data import Dataset
 
+from . import sharing
 from .shm_sweep import owner_state, process_start_time  # noqa: F401  (part of the report API)
 from .shm_sweep import segment_namespace_state
 
@@ -46,12 +47,9 @@ SHM_FREE_FRACTION_LOW = 0.10
 SELFTEST_METHOD_TIMEOUT_S = 10
 _TEXT_WIDTH = 88
 
-# Segment names carry the pid of the process whose lifetime they belong to.
-_SEGMENT_PATTERNS = (
-    ("fastloader-pack", re.compile(r"fastloader-pack-(\d+)-")),
-    ("fastloader", re.compile(r"fastloader-(\d+)-")),
-    ("torch", re.compile(r"torch_(\d+)_")),
-)
+# Segment names carry the pid of the process whose lifetime they belong to; ours
+# are parsed by sharing.py, torch's (torch_<pid>_...) here.
+_TORCH_SEGMENT = re.compile(r"torch_(\d+)_")
 
 _START_METHOD_PITFALLS = {
     "fork": "fastest start; workers share the parent's memory copy-on-write. Unsafe once "
@@ -154,14 +152,12 @@ def count_open_fds() -> int:
 
 
 def collect_sharing() -> dict:
-    from .dataloader import _DEFAULT_STRATEGY
-
     memfd_ok, memfd_error = probe_memfd()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     return {
         "torch_strategy": torch.multiprocessing.get_sharing_strategy(),
         "torch_strategies": sorted(torch.multiprocessing.get_all_sharing_strategies()),
-        "fastloader_default": _DEFAULT_STRATEGY,
+        "fastloader_default": sharing.DEFAULT_STRATEGY,
         "memfd_supported": memfd_ok,
         "memfd_error": memfd_error,
         "fd_limit_soft": _limit(soft),
@@ -203,11 +199,11 @@ def _paths_in_use(paths: set) -> dict:
 
 
 def _segment_kind(name: str) -> tuple[str, int] | None:
-    for kind, pattern in _SEGMENT_PATTERNS:
-        match = pattern.match(name)
-        if match:
-            return kind, int(match.group(1))
-    return None
+    ours = sharing.parse_segment_name(name)
+    if ours is not None:
+        return ours.kind, ours.pid
+    match = _TORCH_SEGMENT.match(name)
+    return ("torch", int(match.group(1))) if match else None
 
 
 def scan_segments(shm_dir: str = SHM_DIR) -> tuple[list, dict]:
@@ -297,22 +293,12 @@ def clean_stale(segments: list, shm_dir: str = SHM_DIR) -> dict:
 
 # ---- start methods ---------------------------------------------------------------------
 
-def _platform_default_start_method(available: list) -> str:
-    # get_start_method() without allow_none would fix the method for the calling
-    # process (the doctor may run inside a user's program), so apply the platform rule.
-    if sys.platform in ("darwin", "win32"):
-        return "spawn"
-    if sys.version_info >= (3, 14) and "forkserver" in available:
-        return "forkserver"
-    return "fork"
-
-
 def collect_start_methods() -> dict:
     available = multiprocessing.get_all_start_methods()
     chosen = multiprocessing.get_start_method(allow_none=True)
     return {
         "available": available,
-        "default": chosen or _platform_default_start_method(available),
+        "default": sharing.default_start_method(),
         "default_set_explicitly": chosen is not None,
         "cuda_initialized": torch.cuda.is_initialized(),
         "pitfalls": {m: _START_METHOD_PITFALLS.get(m, "") for m in available},

@@ -17,24 +17,14 @@ and ``FASTLOADER_FORKSERVER_PRELOAD=0`` turns the whole thing off.
 """
 from __future__ import annotations
 
-import multiprocessing
 import os
 from multiprocessing import forkserver as _mp_forkserver
 
+from .sharing import resolve_start_method
+from .sigint import children_ignore_sigint
+
 PRELOAD_MODULE = "fastloader.worker"
 _ENV = "FASTLOADER_FORKSERVER_PRELOAD"
-
-
-def start_method_of(context) -> str:
-    """The start method a loader with this ``multiprocessing_context`` will use,
-    found without fixing the process-wide default (torch fixes it only when the
-    first iterator starts, and so must we)."""
-    if context is None:
-        return (multiprocessing.get_start_method(allow_none=True)
-                or multiprocessing.get_all_start_methods()[0])
-    if isinstance(context, str):
-        return context
-    return context.get_start_method()
 
 
 def _server():
@@ -74,17 +64,12 @@ def warm_up(context, num_workers: int) -> None:
     if num_workers <= 0:
         return
     try:
-        method = start_method_of(context)
+        method = resolve_start_method(context)
     except (ValueError, AttributeError):
         return   # an odd context object: leave everything to iteration time
     if method != "forkserver" or not add_preload():
         return
-    # SIGINT ignored while it starts, as for workers (see pool._quiet_sigint):
+    # SIGINT ignored while it starts, as for workers (see sigint.py):
     # a Ctrl-C must not kill the server half-way through importing torch.
-    from .pool import _quiet_sigint, _restore_sigint
-
-    old_mask, old_handler = _quiet_sigint()
-    try:
+    with children_ignore_sigint():
         _server().ensure_running()
-    finally:
-        _restore_sigint(old_mask, old_handler)

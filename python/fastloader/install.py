@@ -36,7 +36,8 @@ import warnings
 
 from torch.utils.data import DataLoader as _TorchDataLoader
 
-from .pool import STRATEGIES
+from .iterator import FastMultiProcessingIter
+from .sharing import DEFAULT_STRATEGY, STRATEGIES, check_strategy
 
 __all__ = ["install", "uninstall", "installed", "FastLoaderWarning", "ENV_VAR"]
 
@@ -46,7 +47,7 @@ _lock = threading.Lock()
 _original = None            # torch's DataLoader._get_iterator while installed
 # what a call that raced with uninstall() falls back to
 _TORCH_GET_ITERATOR = _TorchDataLoader.__dict__["_get_iterator"]
-_strategy = "file_descriptor"
+_strategy = DEFAULT_STRATEGY
 
 
 class FastLoaderWarning(UserWarning):
@@ -57,8 +58,6 @@ def _fast_get_iterator(self):
     """torch's _get_iterator with the multi-process branch routed to fastloader."""
     if self.num_workers == 0:
         return (_original or _TORCH_GET_ITERATOR)(self)
-    from .iterator import FastMultiProcessingIter
-
     self.check_worker_number_rationality()
     return FastMultiProcessingIter(self, strategy=_strategy)
 
@@ -70,10 +69,7 @@ def install(sharing_strategy: str = "file_descriptor") -> None:
     applies to loaders that are not ``fastloader.DataLoader`` (those keep their
     own)."""
     global _original, _strategy
-    if sharing_strategy not in STRATEGIES:
-        valid = ", ".join(repr(s) for s in STRATEGIES)
-        raise ValueError(f"sharing_strategy should be one of {valid}, "
-                         f"but got {sharing_strategy!r}")
+    check_strategy(sharing_strategy)
     with _lock:
         _strategy = sharing_strategy
         if _original is not None:
@@ -116,8 +112,8 @@ def install_from_environment() -> None:
         warnings.warn(f"fastloader: {ENV_VAR}={value!r} is not one of "
                       f"{', '.join(sorted(_ON | set(STRATEGIES)))} (on) or "
                       f"{', '.join(repr(v) for v in sorted(_OFF))} (off); installing with "
-                      "the file_descriptor strategy", RuntimeWarning, stacklevel=2)
-    install(value if value in STRATEGIES else "file_descriptor")
+                      f"the {DEFAULT_STRATEGY} strategy", RuntimeWarning, stacklevel=2)
+    install(value if value in STRATEGIES else DEFAULT_STRATEGY)
 
 
 _OFF = frozenset({"", "0", "false", "no", "off"})

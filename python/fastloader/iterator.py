@@ -3,15 +3,14 @@
 It follows torch's _MultiProcessingDataLoaderIter task for task (round-robin
 dispatch, prefetch_factor tasks per worker, in-order delivery with a reorder
 buffer, IterableDataset exhaustion per worker, persistent workers, timeout), so
-batches come out identical; only the transport differs. It also keeps what
-`DataLoader.state_dict()` needs to resume mid-epoch (see resume.py)."""
+batches come out identical; only the transport differs. What it remembers for
+`DataLoader.state_dict()` lives in resume.EpochTracker, its counters in
+stats.EpochCounters, and what outlives it in the loader's session.LoaderSession."""
 from __future__ import annotations
 
 import copy
 import functools
 import pickle
-import time
-import weakref
 
 import torch
 from torch._utils import ExceptionWrapper
@@ -24,7 +23,13 @@ from . import resume as _resume
 from . import stats as _stats
 from .distributed import rank_info
 from .metadata_warning import warn_if_heavy_metadata
-from .pool import STRATEGIES, WorkerPool, WorkerSpec
+from .pool import WorkerPool, WorkerSpec
+from .protocol import (
+    RES_BATCH_SNAP, RES_DEAD, RES_ERROR, RES_ITER_END, RES_RESUMED, TASK_CONTROL, TASK_PICKLE,
+    TASK_RESUME, encode_control,
+)
+from .session import LoaderSession
+from .sharing import DEFAULT_STRATEGY
 
 # Slots per worker beyond its prefetched batches: the one the consumer holds, the
 # one it is about to drop, and one of slack for a pin-memory or prefetch stage.
@@ -34,23 +39,21 @@ _EXTRA_SLOTS = 3
 # themselves before they are terminated (idle ones stop at once).
 _FAILURE_GRACE_S = 0.2
 
-# Control tasks that only this layer knows (payload: pickle)
-_CONTROL_RESTORE = "restore"   # (snapshot) restore RNGs / iterable position
-_CONTROL_REPLAY = "replay"     # (index) re-run a task without sending its batch
-
-
 def _task_bytes_estimate(loader) -> int:
     bs = getattr(loader.batch_sampler, "batch_size", None) or loader.batch_size or 1
     return 64 + 8 * int(bs)
 
 
 class FastMultiProcessingIter(_BaseDataLoaderIter):
-    _clock = staticmethod(time.perf_counter)
     _epoch = 0
 
-    def __init__(self, loader, resume_state=None, strategy="file_descriptor"):
+    def __init__(self, loader, session=None, strategy=DEFAULT_STRATEGY):
+        # the loader's state across epochs (session.py); a detached one for a
+        # torch DataLoader given this transport by install()
+        session = session if session is not None else LoaderSession()
+        resume_state = session.take_resume()
         super().__init__(loader)
-        self._loader_ref = weakref.ref(loader)
+        self._session = session
         self._loader_generator = loader.generator
         self._prefetch_factor = loader.prefetch_factor
         # the same checks, in the same order, with the same errors as torch's
@@ -94,7 +97,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             for wid in range(self._num_workers)
         ]
         self._pool = WorkerPool(
-            context, specs, STRATEGIES[self.sharing_strategy],
+            context, specs, self.sharing_strategy,
             task_capacity=max(1 << 20, 4 * max_tasks * _task_bytes_estimate(loader)),
             result_capacity=max_tasks + 2)
         self._channels = self._pool.channel_tuple
@@ -138,16 +141,13 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
     def stats(self, memory=True):
         """This epoch so far: batches delivered (by transport), time waited for
         data, and per worker: batches, busy/idle time, ring occupancy, USS/PSS."""
-        return _stats.collect(self, memory=memory)
+        return _stats.collect(self._counters, self._channels, self.worker_pids, memory=memory)
 
     # -- epoch control -------------------------------------------------------------
     def _reset(self, loader, first_iter=False):
         super()._reset(loader, first_iter)
         self._epoch += 1
-        self._epoch_started = self._clock()
-        self._wait_s = 0.0
-        self._delivered = [0, 0, 0]   # batches handed out, by where they travelled
-        self._delivered_by_worker = [0] * self._num_workers
+        self._counters = _stats.EpochCounters(self._epoch, self._num_workers)
         self._stats_printed = False
         self._epoch_done = False
         self._send_idx = 0
@@ -160,22 +160,16 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         self._cycle_order = list(range(self._num_workers))
         self._cycle_pos = 0
         self._ahead_to_skip = set()
-        # resume bookkeeping: per worker, the newest snapshot delivered with a
-        # batch (and the one of the epoch's start), and the tasks delivered since
-        self._snap = [None] * self._num_workers
-        self._epoch_snap = [None] * self._num_workers
-        self._since_snap = [_resume.SeqRuns() for _ in range(self._num_workers)]
-        self._epoch_tasks = [_resume.SeqRuns() for _ in range(self._num_workers)]
-        self._delivered_ahead = set()   # in_order=False: delivered seqs past _rcvd_idx
+        self._tracker = _resume.EpochTracker(self._num_workers)   # for state_dict()
         if not first_iter:
             # an IterDataPipe gets the epoch's new shared seed with the resume
             seed = pickle.dumps(self._shared_seed)
             for ch in self._channels:
-                ch.put_task(_core.TASK_RESUME, -1, seed)
+                ch.put_task(TASK_RESUME, -1, seed)
             waiting = self._num_workers
             while waiting > 0:
                 _wid, seq, kind, _data, _where = self._get_data()
-                if kind == _core.RES_RESUMED:
+                if kind == RES_RESUMED:
                     waiting -= 1
                 # anything else is left over from an abandoned epoch: dropped
         state, self._resume_state = self._resume_state, None
@@ -190,58 +184,23 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         worker's RNG (and iterable position) to where it was."""
         _resume.restore_rng(self._loader_generator, state["sampler_rng"])
         target = state["next_seq"]
-        skip = set(state.get("delivered_ahead", ()))
-        needed = {seq for w in state["workers"] for seq in _resume.SeqRuns(w["replay"])}
-        index_of = {}
-        for seq in range(target):
-            try:
-                index = self._next_index()
-            except StopIteration:
-                break
-            if seq in needed:
-                index_of[seq] = index
-        # tasks the interrupted run had handed out past `target` are sent anew
-        self._ahead_to_skip = set(skip)
+        index_of = _resume.indices_to_replay(state, self._next_index)
+        # tasks the interrupted run had handed out past `target` are sent anew,
+        # except those it delivered already (in_order=False)
+        self._ahead_to_skip = set(state.get("delivered_ahead", ()))
         for wid, w in enumerate(state["workers"]):
             self._workers_status[wid] = w["active"]
-            ch = self._channels[wid]
-            if w["snapshot"] is not None:
-                self._put_control(ch, (_CONTROL_RESTORE, w["snapshot"]))
-            for seq in _resume.SeqRuns(w["replay"]):
-                if seq in index_of:
-                    self._put_control(ch, (_CONTROL_REPLAY, index_of[seq]))
-            self._snap[wid] = w.get("snap_entry")
-            self._epoch_snap[wid] = w.get("epoch_snap_entry")
-            self._since_snap[wid] = _resume.SeqRuns(w["replay"])
-            self._epoch_tasks[wid] = _resume.SeqRuns(w.get("epoch_tasks", ()))
+            for message in _resume.control_messages(w, index_of):
+                self._channels[wid].put_task(TASK_CONTROL, -1, encode_control(message))
+        self._tracker.restore(state)
         self._send_idx = self._rcvd_idx = target
         start = state["next_worker"]
         self._cycle_order = [(start + i) % self._num_workers for i in range(self._num_workers)]
         self._cycle_pos = 0
         self._num_yielded = state["yielded"]
 
-    def _put_control(self, ch, message):
-        ch.put_task(_core.TASK_CONTROL, -1, pickle.dumps(message,
-                                                          protocol=pickle.HIGHEST_PROTOCOL))
-
     def state_dict(self):
         """Where this epoch stands; see DataLoader.state_dict()."""
-        workers = []
-        for wid in range(self._num_workers):
-            entry = self._snap[wid]
-            replay = self._since_snap[wid]
-            if entry is None or (_resume.needs_epoch_start(self._dataset)
-                                 and self._epoch_snap[wid] is not None):
-                entry = self._epoch_snap[wid]
-                replay = self._epoch_tasks[wid]
-            workers.append({
-                "active": self._workers_status[wid],
-                "snapshot": entry[1] if entry else None,
-                "snap_entry": entry,
-                "epoch_snap_entry": self._epoch_snap[wid],
-                "replay": replay.export(),   # runs of (start, step, count)
-                "epoch_tasks": self._epoch_tasks[wid].export(),
-            })
         nxt = self._task_info.get(self._rcvd_idx, (None,))[0]
         if nxt is None:   # nothing outstanding: the cycle's next pick
             nxt = self._cycle_order[self._cycle_pos % self._num_workers]
@@ -254,18 +213,19 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             "next_seq": self._rcvd_idx,
             "next_worker": nxt,
             "yielded": self._num_yielded,
-            "delivered_ahead": sorted(s for s in self._delivered_ahead if s >= self._rcvd_idx),
-            "workers": workers,
+            "delivered_ahead": self._tracker.ahead_of(self._rcvd_idx),
+            "workers": self._tracker.worker_states(self._workers_status, self._dataset),
         }
 
     # -- receiving -------------------------------------------------------------------
     def _get_data(self):
         timeout = self._timeout if self._timeout > 0 else None
         prefer = self._task_info.get(self._rcvd_idx, (0,))[0]
-        started = self._clock()
+        counters = self._counters
+        started = counters.clock()
         try:
             got = _core.recv(self._channels, prefer, timeout)
-            self._wait_s += self._clock() - started
+            counters.waited(counters.clock() - started)
         except KeyboardInterrupt:
             # Ctrl-C: stop the workers now (briefly let idle ones exit by
             # themselves, terminate busy ones) so the program can exit at once.
@@ -274,7 +234,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         if got is None:
             raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
         wid, seq, kind, data, where = got
-        if kind == _core.RES_DEAD:
+        if kind == RES_DEAD:
             message = self._pool.death_message(wid)
             # The epoch is lost: as for Ctrl-C, do not let a sibling busy in a long
             # sample hold the error back for the full grace (contract: within 2 s).
@@ -296,7 +256,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
                 self._epoch_done = True
                 if _stats.enabled() and not self._stats_printed:
                     self._stats_printed = True
-                    _stats.print_summary(self)
+                    _stats.print_summary(self.stats(memory=False))
                 if not self._persistent_workers:
                     self._shutdown_workers()
                 raise StopIteration
@@ -308,10 +268,10 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
                 return self._process_data(result, worker_id, seq)
 
             wid, seq, kind, data, where = self._get_data()
-            if kind == _core.RES_RESUMED:
+            if kind == RES_RESUMED:
                 continue
             self._tasks_outstanding -= 1
-            if kind == _core.RES_ITER_END:
+            if kind == RES_ITER_END:
                 if self._persistent_workers:
                     self._workers_status[wid] = False
                 else:
@@ -319,18 +279,18 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
                 self._try_put_index()
                 continue
             snap = None
-            if kind == _core.RES_BATCH_SNAP:
+            if kind == RES_BATCH_SNAP:
                 data, snap = data
                 # kept for state_dict() for long: a copy, so that it does not pin a
                 # ring slot (nor make later forks inherit it, see segment.c)
                 snap = copy.deepcopy(snap)
-            elif kind == _core.RES_ERROR and not isinstance(data, ExceptionWrapper):
+            elif kind == RES_ERROR and not isinstance(data, ExceptionWrapper):
                 data = ExceptionWrapper(where=f"in DataLoader worker process {wid}")
             result = (data, where, snap)
             if seq != self._rcvd_idx:
                 if not self._in_order:
                     self._task_info.pop(seq)
-                    self._delivered_ahead.add(seq)
+                    self._tracker.delivered_ahead(seq)
                     return self._process_data(result, wid, seq)
                 self._task_info[seq] += (result,)
             else:
@@ -365,7 +325,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             return
         ch = self._channels[worker_queue_idx]
         if not ch.put_index(self._send_idx, index):
-            ch.put_task(_core.TASK_PICKLE, self._send_idx,
+            ch.put_task(TASK_PICKLE, self._send_idx,
                         pickle.dumps(index, protocol=pickle.HIGHEST_PROTOCOL))
         self._task_info[self._send_idx] = (worker_queue_idx,)
         self._workers_num_tasks[worker_queue_idx] += 1
@@ -375,17 +335,8 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
     def _process_data(self, result, worker_idx, seq):
         data, where, snap = result
         self._workers_num_tasks[worker_idx] -= 1
-        self._delivered[where] += 1
-        self._delivered_by_worker[worker_idx] += 1
-        if snap is not None:
-            entry = (seq, snap)
-            self._snap[worker_idx] = entry
-            self._since_snap[worker_idx] = _resume.SeqRuns([(seq, 0, 1)])
-            if self._epoch_snap[worker_idx] is None:
-                self._epoch_snap[worker_idx] = entry
-        else:
-            self._since_snap[worker_idx].append(seq)
-        self._epoch_tasks[worker_idx].append(seq)
+        self._counters.delivered(worker_idx, where)
+        self._tracker.delivered(worker_idx, seq, snap)
         self._try_put_index()
         if isinstance(data, ExceptionWrapper):
             data.reraise()
@@ -410,14 +361,12 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
     def _leave_state_with_loader(self):
         # the loader answers state_dict() after this iterator is gone (an epoch
         # that ended, or a loop that broke out)
-        loader = self._loader_ref() if hasattr(self, "_loader_ref") else None
-        if loader is not None and hasattr(self, "_snap"):
+        session = getattr(self, "_session", None)
+        if session is not None and hasattr(self, "_tracker"):
             try:
-                from .dataloader import remember_final_state
-
                 # the epoch's figures, kept for loader.stats(); without reading each
                 # worker's /proc smaps, which would slow every iterator's teardown
-                remember_final_state(loader, self.state_dict(), self.stats(memory=False))
+                session.ended(self.state_dict(), self.stats(memory=False))
             except Exception:
                 pass
 

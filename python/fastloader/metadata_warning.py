@@ -15,9 +15,13 @@ import itertools
 import os
 import sys
 import threading
+import types
 import warnings
 from dataclasses import dataclass
 from typing import List, Optional
+
+from . import _core
+from .sharing import resolve_start_method
 
 __all__ = ["HeavyMetadataWarning", "warn_if_heavy_metadata", "find_heavy_metadata"]
 
@@ -177,10 +181,6 @@ def _attributes(obj):
 def _is_holder(value) -> bool:
     """An object whose attributes may hold metadata (a wrapped dataset, an index
     object), as opposed to a function, class, module or the packed arrays themselves."""
-    import types
-
-    from . import _core
-
     if isinstance(value, (type, types.ModuleType, types.FunctionType, types.MethodType,
                           types.BuiltinFunctionType, _core.PackedView, str, bytes, int,
                           float, complex, bool)):
@@ -237,16 +237,6 @@ def find_heavy_metadata(dataset, root: str = "dataset") -> List[Finding]:
     except Exception:   # a warning must never break a loader
         pass
     return found
-
-
-def _start_method_name(start_method) -> str:
-    if start_method is None:
-        import multiprocessing
-
-        return multiprocessing.get_start_method(allow_none=True) or "fork"
-    if hasattr(start_method, "get_start_method"):
-        return start_method.get_start_method()
-    return str(start_method)
 
 
 def _message(f: Finding, dataset, num_workers: int, method: str) -> str:
@@ -306,7 +296,7 @@ def warn_if_heavy_metadata(dataset, num_workers: int, start_method=None) -> List
     findings = find_heavy_metadata(dataset)
     if not findings:
         return findings
-    method = _start_method_name(start_method)
+    method = resolve_start_method(start_method)
     for f in findings:
         key = (type(dataset).__module__, type(dataset).__qualname__, f.path)
         with _lock:

@@ -52,29 +52,22 @@ import uuid
 import weakref
 from typing import Any, Iterable, Optional, Union
 
-from . import _core, shm_sweep
+from . import _core
 from ._core import FastLoaderError
+from .sharing import DEFAULT_STRATEGY, STRATEGIES, packed_segment_name  # noqa: F401
+from .sharing import check_strategy as _check_strategy
 
 __all__ = ["PackedStringArray", "PackedArray", "PackedFormatError", "load",
            "attach_node_handle"]
 
-STRATEGIES = ("file_descriptor", "file_system")
-_DEFAULT_STRATEGY = "file_descriptor"
+_DEFAULT_STRATEGY = DEFAULT_STRATEGY
 _SHM_DIR = "/dev/shm"
-_NAME_PREFIX = "fastloader-pack-"
 _NDARRAY_CHUNK = 1 << 16     # items converted to Python objects at a time
 _READ_CHUNK = 4 << 20         # bytes of a text file read at a time
 
 
 class PackedFormatError(FastLoaderError, ValueError):
     """A file or pickle is not a valid packed array (foreign, truncated, corrupt)."""
-
-
-def _check_strategy(strategy: str) -> str:
-    if strategy not in STRATEGIES:
-        valid = ", ".join(repr(s) for s in STRATEGIES)
-        raise ValueError(f"sharing_strategy should be one of {valid}, but got {strategy!r}")
-    return strategy
 
 
 # ---- segments --------------------------------------------------------------------------
@@ -152,10 +145,7 @@ def _new_segment(strategy: str):
     if strategy == "file_descriptor":
         fd = os.memfd_create("fastloader-pack", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         return "memfd", fd, None
-    # pid + PID namespace, so that `doctor --clean` in another container sharing
-    # /dev/shm leaves it alone (see shm_sweep.py)
-    namespace = shm_sweep.pid_namespace() or shm_sweep.UNKNOWN_NAMESPACE
-    name = f"{_NAME_PREFIX}{os.getpid()}-{namespace}{uuid.uuid4().hex[:12]}"
+    name = packed_segment_name()
     fd = os.open(os.path.join(_SHM_DIR, name),
                  os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     try:
@@ -336,8 +326,13 @@ def loader_strategy(strategy: str):
         _STARTING.strategy = previous
 
 
+def starting_strategy():
+    """The strategy of the loader whose workers this thread is starting, or None."""
+    return getattr(_STARTING, "strategy", None)
+
+
 def _for_loader(array):
-    wanted = getattr(_STARTING, "strategy", None)
+    wanted = starting_strategy()
     if wanted is None or wanted == array.sharing_strategy:
         return array
     key = (wanted, array._start, array._step, len(array))

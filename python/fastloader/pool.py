@@ -10,23 +10,32 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
+import pickle
 import signal
 import threading
+import time
+import warnings
 import weakref
+from multiprocessing import reduction
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from . import _core, forkserver, payload, shm_sweep
+from . import _core, forkserver, payload, sharing, shm_sweep
+from .distributed import rank_info
+from .packed import loader_strategy, starting_strategy
+from .protocol import TASK_SHUTDOWN
+from .sigint import children_ignore_sigint
 from .worker import worker_main
 from .worker_process import WorkerProcess
 
-# Main-process ends of live channels: a worker forked later closes them at start.
+# Main-process ends of live channels: a worker forked later is told to close them
+# at start (worker_main's inherited_fds). In a forked child they are no longer
+# ours to list: a loader the child makes must not pass them on.
 MAIN_FDS: set = set()
+os.register_at_fork(after_in_child=MAIN_FDS.clear)
 
 _LIVE_POOLS: "weakref.WeakSet[WorkerPool]" = weakref.WeakSet()
 _LIVE_LOCK = threading.Lock()
-
-STRATEGIES = {"file_descriptor": _core.STRATEGY_FD, "file_system": _core.STRATEGY_FS}
 
 
 @dataclass
@@ -62,8 +71,6 @@ class _Fd:
         return self.fd
 
     def __reduce__(self):
-        from multiprocessing import reduction
-
         return _Fd._rebuild, (reduction.DupFd(self.fd),)
 
     @staticmethod
@@ -92,9 +99,6 @@ def _share_heavy_part(specs):
 def _explain_start_error(exc, method):
     """Warn as torch's DataLoader does when a worker's arguments do not pickle,
     then re-raise the error unchanged."""
-    import pickle
-    import warnings
-
     if isinstance(exc, (TypeError, AttributeError, pickle.PicklingError)):
         warnings.warn(_PICKLE_HINT, stacklevel=5)
     raise exc
@@ -110,34 +114,12 @@ _PICKLE_HINT = (
     "You can also try multiprocessing.set_start_method('fork').")
 
 
-def _quiet_sigint():
-    """Start children with SIGINT ignored (the disposition survives fork and
-    exec, and a forkserver started now passes it on), so a Ctrl-C during a
-    worker's start-up cannot print tracebacks from half-imported modules: the main
-    process handles Ctrl-C and stops the workers. SIGINT is also blocked here
-    meanwhile, so a Ctrl-C meant for us stays pending instead of being dropped."""
-    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    old_handler = None
-    if threading.current_thread() is threading.main_thread():
-        current = signal.getsignal(signal.SIGINT)
-        if current is not None:   # None: a handler installed outside Python
-            old_handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    return old_mask, old_handler
-
-
-def _restore_sigint(old_mask, old_handler):
-    if old_handler is not None:
-        signal.signal(signal.SIGINT, old_handler)
-    signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
-
-
 class WorkerPool:
-    def __init__(self, context, specs, strategy: int, task_capacity: int,
+    def __init__(self, context, specs, strategy: str, task_capacity: int,
                  result_capacity: int):
         self.owner_pid = os.getpid()
-        self.strategy_name = next(k for k, v in STRATEGIES.items() if v == strategy)
-        # pid + PID namespace: lets any process sharing /dev/shm tell whether we live
-        self.prefix = shm_sweep.loader_prefix(self.owner_pid)
+        self.strategy_name = sharing.check_strategy(strategy)
+        self.prefix = sharing.loader_prefix(self.owner_pid)
         self.channels: list = []
         self.procs: list = []
         self._pids: list = []
@@ -170,8 +152,6 @@ class WorkerPool:
         # with torch); started one after the other, big datasets would serialise
         # the workers' start-up. Start them all at once instead.
         # The dataset is pickled once for all of them where that is valid.
-        from .packed import loader_strategy
-
         with loader_strategy(self.strategy_name):
             shared = _share_heavy_part(specs)
         try:
@@ -188,14 +168,20 @@ class WorkerPool:
                 shared.close()   # every child has its own copy of the fd by now
 
     def _prepare(self, context, spec, strategy, task_capacity, result_capacity):
-        ch = _core.MainChannel(spec.worker_id, strategy, self.prefix, task_capacity,
-                               result_capacity)
+        ch = _core.MainChannel(spec.worker_id, sharing.core_strategy(strategy, _core), self.prefix,
+                               task_capacity, result_capacity)
         self.channels.append(ch)
         MAIN_FDS.update(ch.main_fds())
         h = ch.handle()
         fds = (_fd_arg(h["ctl_fd"]), _fd_arg(h["efd_main"]), _fd_arg(h["efd_worker"]),
                _fd_arg(h["sock"]))
-        return context.Process(target=worker_main, args=(spec, h, fds), daemon=True)
+        # A forked worker inherits every fd open now, among them the main ends of
+        # every live channel: it is told which to close. A spawned or forkserver
+        # worker inherits none of them (and the numbers mean nothing there).
+        inherited = (tuple(sorted(MAIN_FDS)) if context.get_start_method() == "fork"
+                     else ())
+        return context.Process(target=worker_main, args=(spec, h, fds, inherited),
+                               daemon=True)
 
     def _launch(self, procs, method):
         errors = [None] * len(procs)
@@ -206,22 +192,14 @@ class WorkerPool:
             except BaseException as exc:   # re-raised below, in the caller's thread
                 errors[i] = exc
 
-        from .packed import loader_strategy
-
-        old_mask, old_handler = _quiet_sigint()
-        try:
-            with loader_strategy(self.strategy_name):
-                self._start_procs(procs, start)
-        finally:
-            _restore_sigint(old_mask, old_handler)
+        with children_ignore_sigint(), loader_strategy(self.strategy_name):
+            self._start_procs(procs, start)
         self._record_started(procs, errors, method)
 
     @staticmethod
     def _start_procs(procs, start):
         # (a thread-local strategy would not reach the threads: pass it along)
-        from .packed import _STARTING, loader_strategy
-
-        strategy = getattr(_STARTING, "strategy", None)
+        strategy = starting_strategy()
 
         def start_in_thread(i):
             with loader_strategy(strategy):
@@ -258,8 +236,6 @@ class WorkerPool:
         proc = self.procs[worker_id]
         proc.join(timeout=2.0)
         code = proc.exitcode
-        from .distributed import rank_info
-
         head = f"DataLoader worker {worker_id} (pid {self._pids[worker_id]}){rank_info()}"
         if code is None:
             return f"{head} exited unexpectedly"
@@ -284,7 +260,7 @@ class WorkerPool:
         ch = self.channels[worker_id]
         ch.watch = False
         if not ch.closed:
-            ch.put_task(_core.TASK_SHUTDOWN, -1)
+            ch.put_task(TASK_SHUTDOWN, -1)
 
     def shutdown(self, timeout: float = 5.0):
         # A forked worker holds a copy of this object; if its garbage collector
@@ -292,13 +268,11 @@ class WorkerPool:
         if self._closed or os.getpid() != self.owner_pid:
             return
         self._closed = True
-        import time
-
         for ch in self.channels:
             ch.watch = False
             if not ch.closed:
                 try:
-                    ch.put_task(_core.TASK_SHUTDOWN, -1)
+                    ch.put_task(TASK_SHUTDOWN, -1)
                 except Exception:
                     pass   # a full ring: the worker gets terminated below
         deadline = time.monotonic() + timeout

@@ -23,6 +23,8 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
+from .protocol import Replay, Restore
+
 VERSION = 1
 
 
@@ -58,6 +60,92 @@ class SeqRuns:
     def export(self):
         return [tuple(r) for r in self.runs]
 
+
+class EpochTracker:
+    """The main process's resume bookkeeping for one epoch: per worker, the newest
+    snapshot delivered with a batch (and the epoch's first), the batches delivered
+    since each, and (in_order=False) the batches delivered ahead of the next one
+    due. The iterator tells it what it delivered; it answers state_dict()'s
+    per-worker part."""
+
+    def __init__(self, num_workers: int):
+        self.snap = [None] * num_workers          # (seq, snapshot) newest
+        self.epoch_snap = [None] * num_workers    # (seq, snapshot) of the epoch's start
+        self.since_snap = [SeqRuns() for _ in range(num_workers)]
+        self.epoch_tasks = [SeqRuns() for _ in range(num_workers)]
+        self.ahead = set()   # in_order=False: delivered seqs past the next one due
+
+    def delivered(self, worker: int, seq: int, snap) -> None:
+        """Batch `seq` came from `worker`, with the snapshot taken before it (or None)."""
+        if snap is not None:
+            entry = (seq, snap)
+            self.snap[worker] = entry
+            self.since_snap[worker] = SeqRuns([(seq, 0, 1)])
+            if self.epoch_snap[worker] is None:
+                self.epoch_snap[worker] = entry
+        else:
+            self.since_snap[worker].append(seq)
+        self.epoch_tasks[worker].append(seq)
+
+    def delivered_ahead(self, seq: int) -> None:
+        self.ahead.add(seq)
+
+    def ahead_of(self, next_seq: int) -> list:
+        return sorted(s for s in self.ahead if s >= next_seq)
+
+    def worker_states(self, active, dataset) -> list:
+        """state_dict()["workers"]: what each worker restores and replays."""
+        workers = []
+        for wid, is_active in enumerate(active):
+            entry = self.snap[wid]
+            replay = self.since_snap[wid]
+            if entry is None or (needs_epoch_start(dataset)
+                                 and self.epoch_snap[wid] is not None):
+                entry = self.epoch_snap[wid]
+                replay = self.epoch_tasks[wid]
+            workers.append({
+                "active": is_active,
+                "snapshot": entry[1] if entry else None,
+                "snap_entry": entry,
+                "epoch_snap_entry": self.epoch_snap[wid],
+                "replay": replay.export(),   # runs of (start, step, count)
+                "epoch_tasks": self.epoch_tasks[wid].export(),
+            })
+        return workers
+
+    def restore(self, state: dict) -> None:
+        """Continue the bookkeeping of the saved run."""
+        for wid, w in enumerate(state["workers"]):
+            self.snap[wid] = w.get("snap_entry")
+            self.epoch_snap[wid] = w.get("epoch_snap_entry")
+            self.since_snap[wid] = SeqRuns(w["replay"])
+            self.epoch_tasks[wid] = SeqRuns(w.get("epoch_tasks", ()))
+
+
+def indices_to_replay(state: dict, next_index) -> dict:
+    """Draw the saved run's batches of indices up to its next batch (skipped, not
+    fetched) from `next_index`; returns {seq: indices} of those a worker must replay."""
+    needed = {seq for w in state["workers"] for seq in SeqRuns(w["replay"])}
+    index_of = {}
+    for seq in range(state["next_seq"]):
+        try:
+            index = next_index()
+        except StopIteration:
+            break
+        if seq in needed:
+            index_of[seq] = index
+    return index_of
+
+
+def control_messages(worker_state: dict, index_of: dict) -> list:
+    """What a resumed worker is sent: restore its snapshot, then replay its tasks."""
+    messages = []
+    if worker_state["snapshot"] is not None:
+        messages.append(Restore(worker_state["snapshot"]))
+    for seq in SeqRuns(worker_state["replay"]):
+        if seq in index_of:
+            messages.append(Replay(index_of[seq]))
+    return messages
 
 
 def capture_rng(generator):

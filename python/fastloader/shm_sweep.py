@@ -13,57 +13,36 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 import stat
 
-SHM_DIR = "/dev/shm"
+# names and namespaces are sharing.py's; re-exported for the doctor and the tests
+from .sharing import UNKNOWN_NAMESPACE, parse_segment_name, pid_namespace  # noqa: F401
 
-# A loader's channel segments:
-#   fastloader-<main pid>-<8 hex: PID namespace inode><10 hex random>-w<worker id>-...
-# (the doctor also knows packed arrays' and torch's names)
-LOADER_SEGMENT = re.compile(r"fastloader-(\d+)-([0-9a-f]{8})[0-9a-f]{10}-w\d+-")
-# Written when our namespace cannot be read: matches no namespace, so never swept.
-UNKNOWN_NAMESPACE = "00000000"
+SHM_DIR = "/dev/shm"
 
 # The start time of a process is only known to the clock tick and boot time to the
 # second; within this slack a segment is presumed to belong to the running process.
 CLOCK_SLACK_S = 2.0
 
 
-def pid_namespace() -> str | None:
-    """Our PID namespace as 8 hex digits (its inode in nsfs), or None when it cannot be
-    read, or when the /proc we see belongs to another namespace (then its pids are not
-    ours to judge). Not cached: a process may unshare or be forked into a new one."""
-    try:
-        ino = os.stat("/proc/self/ns/pid").st_ino
-        if os.readlink("/proc/self") != str(os.getpid()):
-            return None
-    except OSError:
-        return None
-    return f"{ino & 0xFFFFFFFF:08x}"
 
 
-def loader_prefix(pid: int) -> str:
-    """The segment name prefix of a loader whose main process is `pid` (ours)."""
-    return f"fastloader-{pid}-{pid_namespace() or UNKNOWN_NAMESPACE}{os.urandom(5).hex()}"
 
 
 def segment_namespace_state(name: str) -> tuple[bool, str]:
     """(ours, why): whether the pid in a fastloader segment's name can be judged by our
     /proc. Names from another PID namespace, and names without one, cannot."""
-    match = NAMESPACED_NAME.match(name)
-    if match is None:
+    parsed = parse_segment_name(name)
+    if parsed is None or parsed.namespace is None:
         return False, "other namespace, left alone (name carries no PID namespace)"
     here = pid_namespace()
     if here is None:
         return False, "other namespace, left alone (our PID namespace is unreadable)"
-    if match.group(2) != here:
-        return False, f"other namespace, left alone (PID namespace {match.group(2)})"
+    if parsed.namespace != here:
+        return False, f"other namespace, left alone (PID namespace {parsed.namespace})"
     return True, "our PID namespace"
 
 
-# Any fastloader name that carries a namespace: loader channels and packed arrays.
-NAMESPACED_NAME = re.compile(r"fastloader-(?:pack-)?(\d+)-([0-9a-f]{8})[0-9a-f]{10}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -117,16 +96,18 @@ def sweep_dead_loaders(shm_dir: str = SHM_DIR) -> list:
         return removed
     with entries:
         for entry in entries:
-            match = LOADER_SEGMENT.match(entry.name)
-            if match is None or match.group(2) != here:
-                continue   # another PID namespace's loader: its pid means nothing here
+            # only a loader's channel segments (see sharing.py for the names), and
+            # only our PID namespace's: another namespace's pid means nothing here
+            parsed = parse_segment_name(entry.name)
+            if parsed is None or not parsed.channel or parsed.namespace != here:
+                continue
             try:
                 st = entry.stat(follow_symlinks=False)
             except OSError:
                 continue   # removed meanwhile
             if not stat.S_ISREG(st.st_mode) or st.st_uid != euid:
                 continue
-            if owner_state(int(match.group(1)), st.st_mtime)[0]:
+            if owner_state(parsed.pid, st.st_mtime)[0]:
                 continue
             # The sticky bit of /dev/shm keeps other users from replacing our file
             # between the check and the unlink.

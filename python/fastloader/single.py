@@ -4,20 +4,20 @@ batches were yielded. (Randomness inside __getitem__ runs in the main process
 there, on the user's own RNGs; a resume re-seeds nothing of it.)"""
 from __future__ import annotations
 
-import weakref
-
 from torch.utils.data.dataloader import _SingleProcessDataLoaderIter
 
 from . import resume as _resume
+from .session import LoaderSession
 
 
 class SingleProcessIter(_SingleProcessDataLoaderIter):
     _epoch = 0
 
-    def __init__(self, loader, resume_state=None):
-        self._loader_ref = weakref.ref(loader)
+    def __init__(self, loader, session=None):
+        # the loader's state across epochs (session.py); a detached one otherwise
+        self._session = session if session is not None else LoaderSession()
+        self._resume_state = self._session.take_resume()
         self._loader_generator = loader.generator
-        self._resume_state = resume_state
         self._epoch_done = False
         super().__init__(loader)
         self._start_epoch()
@@ -53,11 +53,7 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
             raise
 
     def _leave_state_with_loader(self):
-        loader = self._loader_ref()
-        if loader is not None:
-            from .dataloader import remember_final_state
-
-            remember_final_state(loader, self.state_dict())
+        self._session.ended(self.state_dict())
 
     def __del__(self):
         try:

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import os
 import sys
+import time
+
+from .protocol import WHERE_NONE, WHERE_OVERFLOW, WHERE_SLOT
 
 
 def _memory(pid):
@@ -20,15 +23,39 @@ def _memory(pid):
         return {"uss_bytes": None, "pss_bytes": None}
 
 
-def collect(it, memory=True):
-    """The stats dict of a fastloader iterator (see README, "Loader stats").
-    Epoch figures are this epoch's; the per-worker ring and busy/idle figures
-    count from the worker's start (persistent workers span epochs)."""
-    none, slot, overflow = it._delivered
+class EpochCounters:
+    """What the main process counts during one epoch: batches delivered (by where
+    they travelled, and per worker) and the time it waited for data."""
+
+    __slots__ = ("epoch", "started", "wait_s", "by_where", "by_worker")
+    clock = staticmethod(time.perf_counter)
+
+    def __init__(self, epoch: int, num_workers: int):
+        self.epoch = epoch
+        self.started = self.clock()
+        self.wait_s = 0.0
+        self.by_where = [0, 0, 0]   # indexed by protocol.WHERE_*
+        self.by_worker = [0] * num_workers
+
+    def waited(self, seconds: float) -> None:
+        self.wait_s += seconds
+
+    def delivered(self, worker: int, where: int) -> None:
+        self.by_where[where] += 1
+        self.by_worker[worker] += 1
+
+
+def collect(counters, channels, pids, memory=True):
+    """The stats dict of an epoch (see README, "Loader stats"): `counters` of the
+    main process, and each worker's from its channel. Epoch figures are this
+    epoch's; the per-worker ring and busy/idle figures count from the worker's
+    start (persistent workers span epochs)."""
+    none, slot, overflow = (counters.by_where[WHERE_NONE], counters.by_where[WHERE_SLOT],
+                            counters.by_where[WHERE_OVERFLOW])
     delivered = none + slot + overflow
-    wall = max(it._clock() - it._epoch_started, 1e-9)
+    wall = max(counters.clock() - counters.started, 1e-9)
     workers = []
-    for ch, pid in zip(it._channels, it.worker_pids):
+    for ch, pid in zip(channels, pids):
         w = ch.stats()
         w["pid"] = pid
         busy, idle = w["busy_s"], w["idle_s"]
@@ -37,14 +64,14 @@ def collect(it, memory=True):
         w.update(_memory(pid) if memory else {"uss_bytes": None, "pss_bytes": None})
         workers.append(w)
     return {
-        "epoch": it._epoch,
+        "epoch": counters.epoch,
         "batches": delivered,
         "slot_batches": slot + none,
         "overflow_batches": overflow,
         "wall_s": wall,
-        "wait_s": it._wait_s,
-        "data_stall_fraction": min(1.0, it._wait_s / wall),
-        "batches_per_worker": list(it._delivered_by_worker),
+        "wait_s": counters.wait_s,
+        "data_stall_fraction": min(1.0, counters.wait_s / wall),
+        "batches_per_worker": list(counters.by_worker),
         # shared memory of the workers' current ring arenas: mapped (their size)
         # and reserved (the slots batches have used so far: what was in flight)
         "arena_bytes": sum(w["arena_bytes"] for w in workers),
@@ -65,5 +92,5 @@ def summary_line(s) -> str:
             f"{s['arena_reserved_bytes'] / 2**20:.1f} MiB of ring arenas reserved")
 
 
-def print_summary(it):
-    print(summary_line(collect(it, memory=False)), file=sys.stderr, flush=True)
+def print_summary(stats):
+    print(summary_line(stats), file=sys.stderr, flush=True)

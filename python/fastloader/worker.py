@@ -18,6 +18,10 @@ from . import _core
 from . import payload as _payload
 from . import resume as _resume
 from .collate import worker_collate
+from .protocol import (
+    RES_BATCH, RES_BATCH_SNAP, RES_ERROR, RES_ITER_END, RES_RESUMED, TASK_CONTROL, TASK_PICKLE,
+    TASK_RESUME, TASK_SHUTDOWN, Replay, Restore, decode_control,
+)
 
 
 def _seed(base_seed: int, worker_id: int) -> int:
@@ -99,21 +103,19 @@ def _seed_datapipe(dataset, shared_seed):
     return apply_random_seed(dataset, rng)
 
 
-def _close_inherited_fds(keep):
+def _close_inherited_fds(inherited, keep):
     """Under fork a worker inherits the main process's ends of its siblings'
-    channels; close them so that fd counts stay constant."""
-    from . import pool
-
-    for fd in list(pool.MAIN_FDS):
+    channels (the pool lists them in `inherited`); close them so that fd counts
+    stay constant."""
+    for fd in inherited:
         if fd >= 0 and fd not in keep:
             try:
                 os.close(fd)
             except OSError:
                 pass
-    pool.MAIN_FDS.clear()
 
 
-def worker_main(spec, handle, fds):
+def worker_main(spec, handle, fds, inherited_fds=()):
     """Entry point of a worker process (the multiprocessing target)."""
     # A forked worker inherits the main process's heap, garbage included: its
     # collector must neither run finalizers of the parent's objects (e.g. another
@@ -129,7 +131,7 @@ def worker_main(spec, handle, fds):
     if spec.payload is not None:   # the heavy part, pickled once for all workers
         fd, size = spec.payload
         spec.dataset, spec.collate_fn, spec.worker_init_fn = _payload.load(fd.detach(), size)
-    _close_inherited_fds({ctl_fd, efd_main, efd_worker, sock})
+    _close_inherited_fds(inherited_fds, {ctl_fd, efd_main, efd_worker, sock})
     chan = _core.WorkerChannel(handle, ctl_fd, efd_main, efd_worker, sock, spec.nslots)
     current = _Current()
     try:
@@ -157,10 +159,127 @@ class _Current:
         if self.seq is None:
             return   # between tasks: the main process reports our exit instead
         try:
-            chan.publish(_core.RES_ERROR, self.seq, _wrap_exception(worker_id, self.seq,
+            chan.publish(RES_ERROR, self.seq, _wrap_exception(worker_id, self.seq,
                                                                     self.index))
         except BaseException:
             pass   # the exit code still tells the main process
+
+
+class _Loop:
+    """One worker's loop: dispatch on each task's kind to the handler of that kind.
+    Holds what persists between tasks: the dataset (re-seeded per epoch for an
+    IterDataPipe), its fetcher, whether the replica is exhausted, and the count of
+    tasks taken this epoch (snapshots fall on the same tasks when resumed)."""
+
+    def __init__(self, spec, chan, current):
+        self.spec, self.chan, self.current = spec, chan, current
+        self.wid = spec.worker_id
+        self.dataset = _seed_datapipe(spec.dataset, spec.shared_seed)
+        self.collate_fn = worker_collate(spec.collate_fn)
+        self.init_error = None
+        self.fetcher = None
+        self.iteration_end = False
+        self.done = 0
+
+    def start(self, seed):
+        spec = self.spec
+        _tw._worker_info = WorkerInfo(id=self.wid, num_workers=spec.num_workers, seed=seed,
+                                      dataset=self.dataset)
+        try:
+            if spec.worker_init_fn is not None:
+                spec.worker_init_fn(self.wid)
+            self._new_fetcher()
+        except Exception:
+            self.init_error = _wrap_exception(self.wid, -1, None, context="in worker_init_fn")
+
+    def _new_fetcher(self):
+        spec = self.spec
+        self.fetcher = _DatasetKind.create_fetcher(spec.dataset_kind, self.dataset,
+                                                   spec.auto_collation, self.collate_fn,
+                                                   spec.drop_last)
+
+    # -- dispatch ------------------------------------------------------------------
+    def run(self):
+        chan, current = self.chan, self.current
+        while True:
+            current.seq = None
+            task = chan.get_task()
+            if task is None:          # the main process is gone
+                return
+            kind, seq, payload = task
+            if kind == TASK_SHUTDOWN:
+                return
+            if kind == TASK_RESUME:
+                self.on_resume(seq, payload)
+            elif kind == TASK_CONTROL:
+                self.on_control(decode_control(payload))
+            else:
+                self.on_fetch(kind, seq, payload)
+
+    # -- handlers ------------------------------------------------------------------
+    def on_resume(self, seq, payload):
+        """Persistent workers: a new epoch restarts the replica as torch does."""
+        self.iteration_end, self.done = False, 0
+        if payload:
+            self.dataset = _seed_datapipe(self.dataset, pickle.loads(payload))
+        self._new_fetcher()
+        self.chan.publish(RES_RESUMED, seq)
+
+    def on_control(self, message):
+        """Resume messages from the main process (resume.py)."""
+        if isinstance(message, Restore):
+            self.done = _resume.restore_snapshot(self.dataset, message.snapshot)
+            self.iteration_end = False
+            self._new_fetcher()
+        elif isinstance(message, Replay):
+            # re-run a task the interrupted run delivered, for its side effects on
+            # RNGs and iterator position; the batch is dropped
+            self.done += 1
+            try:
+                self.fetcher.fetch(message.index)
+            except Exception:
+                pass
+
+    def on_fetch(self, kind, seq, index):
+        """A batch task: fetch, collate, publish (or publish the error)."""
+        spec, chan, current, wid = self.spec, self.chan, self.current, self.wid
+        current.seq, current.index = seq, index
+        if kind == TASK_PICKLE:
+            index = pickle.loads(index)
+            current.index = index
+        if self.iteration_end:
+            chan.publish(RES_ITER_END, seq)
+            return
+        every = spec.snapshot_every
+        snapshot = None
+        if self.done == 0 or (every > 0 and self.done % every == 0):
+            snapshot = _resume.take_snapshot(self.dataset, self.done)
+        self.done += 1
+        if self.init_error is not None:
+            data, rkind, self.init_error = self.init_error, RES_ERROR, None
+        else:
+            try:
+                data, rkind = self.fetcher.fetch(index), RES_BATCH
+            except StopIteration:
+                if spec.dataset_kind != _DatasetKind.Iterable:
+                    data, rkind = _wrap_exception(wid, seq, index), RES_ERROR
+                else:
+                    self.iteration_end = True
+                    chan.publish(RES_ITER_END, seq)
+                    return
+            except Exception:
+                data, rkind = _wrap_exception(wid, seq, index), RES_ERROR
+        if snapshot is not None and rkind == RES_BATCH:
+            data, rkind = (data, snapshot), RES_BATCH_SNAP
+        try:
+            chan.publish(rkind, seq, data)
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:
+            chan.publish(RES_ERROR, seq, _unencodable(wid, seq, index, data, exc))
+        except Exception:
+            # e.g. stacking into the slot failed, or no memory for a segment: the
+            # main process re-raises it with this worker's traceback
+            chan.publish(RES_ERROR, seq, _wrap_exception(wid, seq, index))
+        del data
 
 
 def _serve(spec, chan, current):
@@ -170,94 +289,7 @@ def _serve(spec, chan, current):
     if name_thread is not None:
         name_thread("pt_data_worker")   # what top/ps/py-spy show for torch's workers
     torch.set_num_threads(1)
-    wid = spec.worker_id
-    seed = _seed(spec.base_seed, wid)
-    dataset = _seed_datapipe(spec.dataset, spec.shared_seed)
-    _tw._worker_info = WorkerInfo(id=wid, num_workers=spec.num_workers, seed=seed,
-                                  dataset=dataset)
-    collate_fn = worker_collate(spec.collate_fn)
-    init_error = None
-    fetcher = None
-    try:
-        if spec.worker_init_fn is not None:
-            spec.worker_init_fn(wid)
-        fetcher = _DatasetKind.create_fetcher(spec.dataset_kind, dataset,
-                                              spec.auto_collation, collate_fn,
-                                              spec.drop_last)
-    except Exception:
-        init_error = _wrap_exception(wid, -1, None, context="in worker_init_fn")
-
-    iteration_end = False
-    every = spec.snapshot_every
-    done = 0   # tasks taken this epoch: snapshots fall on the same ones when resumed
-    while True:
-        current.seq = None
-        task = chan.get_task()
-        if task is None:          # the main process is gone
-            return
-        kind, seq, index = task
-        if kind == _core.TASK_SHUTDOWN:
-            return
-        if kind == _core.TASK_RESUME:
-            # persistent workers: a new epoch restarts the replica as torch does
-            iteration_end, done = False, 0
-            if index:
-                dataset = _seed_datapipe(dataset, pickle.loads(index))
-            fetcher = _DatasetKind.create_fetcher(spec.dataset_kind, dataset,
-                                                  spec.auto_collation, collate_fn,
-                                                  spec.drop_last)
-            chan.publish(_core.RES_RESUMED, seq)
-            continue
-        if kind == _core.TASK_CONTROL:
-            action, arg = pickle.loads(index)
-            if action == "restore":
-                done = _resume.restore_snapshot(dataset, arg)
-                iteration_end = False
-                fetcher = _DatasetKind.create_fetcher(spec.dataset_kind, dataset,
-                                                      spec.auto_collation, collate_fn,
-                                                      spec.drop_last)
-            elif action == "replay":
-                # re-run a task the interrupted run delivered, for its side
-                # effects on RNGs and iterator position; the batch is dropped
-                done += 1
-                try:
-                    fetcher.fetch(arg)
-                except Exception:
-                    pass
-            continue
-        current.seq, current.index = seq, index
-        if kind == _core.TASK_PICKLE:
-            index = pickle.loads(index)
-            current.index = index
-        if iteration_end:
-            chan.publish(_core.RES_ITER_END, seq)
-            continue
-        snapshot = None
-        if done == 0 or (every > 0 and done % every == 0):
-            snapshot = _resume.take_snapshot(dataset, done)
-        done += 1
-        if init_error is not None:
-            data, rkind, init_error = init_error, _core.RES_ERROR, None
-        else:
-            try:
-                data, rkind = fetcher.fetch(index), _core.RES_BATCH
-            except StopIteration:
-                if spec.dataset_kind != _DatasetKind.Iterable:
-                    data, rkind = _wrap_exception(wid, seq, index), _core.RES_ERROR
-                else:
-                    iteration_end = True
-                    chan.publish(_core.RES_ITER_END, seq)
-                    continue
-            except Exception:
-                data, rkind = _wrap_exception(wid, seq, index), _core.RES_ERROR
-        if snapshot is not None and rkind == _core.RES_BATCH:
-            data, rkind = (data, snapshot), _core.RES_BATCH_SNAP
-        try:
-            chan.publish(rkind, seq, data)
-        except (pickle.PicklingError, TypeError, AttributeError) as exc:
-            chan.publish(_core.RES_ERROR, seq, _unencodable(wid, seq, index, data, exc))
-        except Exception:
-            # e.g. stacking into the slot failed, or no memory for a segment: the
-            # main process re-raises it with this worker's traceback
-            chan.publish(_core.RES_ERROR, seq, _wrap_exception(wid, seq, index))
-        del data
+    seed = _seed(spec.base_seed, spec.worker_id)
+    loop = _Loop(spec, chan, current)
+    loop.start(seed)
+    loop.run()

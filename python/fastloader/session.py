@@ -1,0 +1,65 @@
+"""A loader's state across epochs, in one owner.
+
+A DataLoader outlives its iterators: ``state_dict()`` and ``stats()`` must answer
+after an epoch ended or a loop broke out, and ``load_state_dict()`` leaves a
+state for the next ``iter()``. The loader's session holds all of it; the loader
+hands it to each iterator it makes, and the iterator reports to it (``ended``).
+Iterators never import the loader, and the loader never reads an iterator's
+private fields.
+
+Sessions live outside the loader's ``__dict__`` (one weak map, here), so pickling,
+copying or deep-copying a loader behaves exactly as with torch: a copy starts
+with no session of its own."""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Optional
+
+__all__ = ["LoaderSession", "session_of"]
+
+
+class LoaderSession:
+    """What one loader keeps between its iterators."""
+
+    __slots__ = ("_iterator", "_pending_resume", "final_state", "final_stats")
+
+    def __init__(self):
+        self._iterator: Optional[weakref.ref] = None
+        self._pending_resume: Optional[dict] = None
+        self.final_state: Optional[dict] = None   # state_dict() of the last ended iterator
+        self.final_stats: Optional[dict] = None   # stats() of the last ended epoch
+
+    # -- iterators ------------------------------------------------------------------
+    def started(self, iterator) -> None:
+        """`iterator` is the loader's current one (held weakly)."""
+        self._iterator = weakref.ref(iterator)
+
+    def live_iterator(self) -> Any:
+        return self._iterator() if self._iterator is not None else None
+
+    def ended(self, state: dict, stats: Optional[dict] = None) -> None:
+        """An iterator's epoch ended or the iterator went away: what it leaves for
+        ``state_dict()`` and ``stats()``."""
+        self.final_state = state
+        if stats is not None:
+            self.final_stats = stats
+
+    # -- resume ---------------------------------------------------------------------
+    def resume_from(self, state: dict) -> None:
+        """The next iterator continues from `state` (load_state_dict)."""
+        self._pending_resume = state
+
+    def take_resume(self) -> Optional[dict]:
+        state, self._pending_resume = self._pending_resume, None
+        return state
+
+
+_SESSIONS: "weakref.WeakKeyDictionary[Any, LoaderSession]" = weakref.WeakKeyDictionary()
+
+
+def session_of(loader) -> LoaderSession:
+    """The session of `loader`, made on first use."""
+    session = _SESSIONS.get(loader)
+    if session is None:
+        session = _SESSIONS[loader] = LoaderSession()
+    return session

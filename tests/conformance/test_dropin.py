@@ -1,0 +1,512 @@
+"""Drop-in details that code written for torch's DataLoader relies on (issue 13):
+DataLoader[...] in annotations, iter(loader)._workers, fastloader.install() for the
+loaders frameworks build, and the copy-on-read warning for pandas / NumPy objects."""
+import multiprocessing.process
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import typing
+import warnings
+
+import numpy as np
+import psutil
+import pytest
+import torch
+from torch.utils.data import DataLoader as TorchDataLoader
+from torch.utils.data.dataloader import _SingleProcessDataLoaderIter
+
+import fastloader
+from fastloader import DataLoader, FastLoaderWarning, WorkerError
+from fastloader.iterator import FastMultiProcessingIter
+from fastloader.worker_process import WorkerProcess
+from fastloader.metadata_warning import (HeavyMetadataWarning, _reset_once_registry,
+                                         find_heavy_metadata)
+from tests.support import dropin_datasets as dd
+from tests.support.helpers import assert_same_batch_lists, collect, deadline, settle
+
+pytestmark = [pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")]
+
+MIB = 1 << 20
+TORCH_GET_ITERATOR = TorchDataLoader.__dict__["_get_iterator"]
+
+
+@pytest.fixture(autouse=True)
+def _never_leave_installed():
+    yield
+    fastloader.uninstall()
+    assert TorchDataLoader.__dict__["_get_iterator"] is TORCH_GET_ITERATOR
+
+
+def seeded(cls, dataset, **kw):
+    return cls(dataset, batch_size=4, shuffle=True, num_workers=2,
+               generator=torch.Generator().manual_seed(7), **kw)
+
+
+# ---- 1. DataLoader[T] ------------------------------------------------------------------
+
+def test_subscripting_works_in_annotations_evaluated_at_import(tmp_path):
+    source = textwrap.dedent("""
+        from typing import Dict, List
+        import torch
+        from fastloader import DataLoader
+
+        def make(ds) -> DataLoader[List[torch.Tensor]]:
+            return DataLoader(ds, batch_size=2)
+
+        LOADERS: Dict[str, DataLoader[Dict[str, torch.Tensor]]] = {}
+
+        class Holder:
+            loader: DataLoader[int]
+        """)
+    namespace = {}
+    exec(compile(source, "annotated_module.py", "exec"), namespace)   # no __future__
+    hints = typing.get_type_hints(namespace["make"])
+    assert typing.get_origin(hints["return"]) is DataLoader
+    assert typing.get_args(hints["return"]) == (typing.List[torch.Tensor],)
+    assert DataLoader.__parameters__ and len(DataLoader.__parameters__) == 1
+
+
+def test_subscripted_class_builds_a_loader_that_behaves_as_torch():
+    loader = DataLoader[int](list(range(10)), batch_size=3)
+    assert type(loader) is DataLoader
+    assert isinstance(loader, TorchDataLoader) and issubclass(DataLoader, TorchDataLoader)
+    assert_same_batch_lists(list(TorchDataLoader(list(range(10)), batch_size=3)), list(loader))
+    # pickling and the framework rebuild pattern (type(loader)(**kwargs)) still work
+    again = pickle.loads(pickle.dumps(loader))
+    assert type(again) is DataLoader and again.batch_size == 3
+    rebuilt = type(loader)(loader.dataset, batch_size=5, sharing_strategy="file_system")
+    assert rebuilt.sharing_strategy == "file_system" and len(list(rebuilt)) == 2
+
+    class Sub(DataLoader[typing.Dict[str, torch.Tensor]]):
+        pass
+
+    assert issubclass(Sub, DataLoader) and Sub.__orig_bases__[0].__origin__ is DataLoader
+    assert len(list(Sub(list(range(4)), batch_size=2))) == 2
+
+
+def test_mypy_accepts_the_annotations(tmp_path):
+    pytest.importorskip("mypy")
+    src = tmp_path / "typed_user.py"
+    src.write_text(textwrap.dedent("""
+        from typing import List
+        import torch
+        from fastloader import DataLoader
+
+        def make(ds: torch.utils.data.Dataset[int]) -> DataLoader[List[torch.Tensor]]:
+            return DataLoader(ds, batch_size=2)
+
+        loader: torch.utils.data.DataLoader[List[torch.Tensor]] = make(None)  # type: ignore[arg-type]
+        reveal_type(make)
+        """))
+    env = dict(os.environ, MYPYPATH=os.path.dirname(os.path.dirname(fastloader.__file__)))
+    out = subprocess.run([sys.executable, "-m", "mypy", "--no-incremental",
+                          "--follow-imports=silent", "--ignore-missing-imports",
+                          "--cache-dir", str(tmp_path / "cache"), str(src)],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "fastloader.dataloader.DataLoader[list[torch._tensor.Tensor]]" in out.stdout, out.stdout
+
+
+def test_mypy_checks_the_public_api(tmp_path):
+    """The public API type-checks as documented, and mypy sees through it: a wrong
+    argument type is reported (so the check above is not vacuous)."""
+    pytest.importorskip("mypy")
+    src = tmp_path / "public_api.py"
+    src.write_text(textwrap.dedent("""
+        from typing import Any, Dict, List, Optional
+        import torch
+        import fastloader
+        from fastloader import (DataLoader, FastLoaderError, PackedArray, PackedStringArray,
+                                WorkerError, install, installed, uninstall)
+
+        names = PackedStringArray(["a", "b"], sharing_strategy="file_system")
+        first: str = names[0]
+        records = PackedArray([{"k": 1}])
+        loader: DataLoader[List[torch.Tensor]] = DataLoader(
+            [torch.ones(2)] * 4, batch_size=2, num_workers=0,
+            sharing_strategy="file_descriptor", snapshot_every_n_steps=0)
+        state: Dict[str, Any] = loader.state_dict()
+        loader.load_state_dict(state)
+        stats: Optional[Dict[str, Any]] = loader.stats()
+        install("file_system")
+        on: bool = installed()
+        uninstall()
+        assert issubclass(WorkerError, FastLoaderError) and issubclass(WorkerError, RuntimeError)
+        version: str = fastloader.__version__
+        DataLoader([1], sharing_strategy=1)   # the one error expected below
+        """))
+    env = dict(os.environ, MYPYPATH=os.path.dirname(os.path.dirname(fastloader.__file__)))
+    out = subprocess.run([sys.executable, "-m", "mypy", "--no-incremental",
+                          "--follow-imports=silent", "--ignore-missing-imports",
+                          "--cache-dir", str(tmp_path / "cache"), str(src)],
+                         capture_output=True, text=True, env=env, timeout=600)
+    errors = [line for line in out.stdout.splitlines() if ": error:" in line]
+    assert len(errors) == 1, out.stdout + out.stderr
+    bad_line = 1 + next(i for i, line in enumerate(src.read_text().splitlines())
+                        if "sharing_strategy=1" in line)
+    assert f"public_api.py:{bad_line}:" in errors[0] and '"sharing_strategy"' in errors[0], \
+        errors
+
+
+# ---- 2. iter(loader)._workers -----------------------------------------------------------
+
+def _workers_running(it, n):
+    workers = it._workers
+    assert len(workers) == n and it._worker_pids_set
+    me = os.getpid()
+    for w in workers:
+        assert isinstance(w.pid, int) and psutil.Process(w.pid).ppid() == me
+        assert w.is_alive() and w.exitcode is None and w.daemon is True
+        assert isinstance(w.name, str) and w.name
+        assert isinstance(w, multiprocessing.process.BaseProcess)
+    return workers
+
+
+@pytest.mark.parametrize("cls", [TorchDataLoader, DataLoader], ids=["torch", "fastloader"])
+def test_workers_are_readable_during_and_after_the_epoch_as_with_torch(cls):
+    with deadline(60):
+        it = iter(seeded(cls, dd.WhoLoads()))
+        first = next(it)
+        workers = _workers_running(it, 2)
+        served = {int(p) for p in first["pid"]}
+        for batch in it:
+            served |= {int(p) for p in batch["pid"]}
+        assert served == {w.pid for w in workers}   # the very processes that loaded
+        for w in workers:
+            w.join(30)
+            assert not w.is_alive() and w.exitcode == 0
+        assert not it._worker_pids_set and it._workers == workers
+
+
+def test_worker_process_is_a_base_process_that_cannot_restart():
+    with deadline(60):
+        it = iter(seeded(DataLoader, dd.WhoLoads()))
+        next(it)
+        w = it._workers[0]
+        assert isinstance(w, multiprocessing.process.BaseProcess) and type(w) is WorkerProcess
+        assert isinstance(w.authkey, bytes) and w.ident == w.pid
+        assert "WorkerProcess" in repr(w)
+        with pytest.raises(AssertionError, match="twice"):
+            w.start()
+        for _ in it:
+            pass
+        w.join(30)
+        assert w.exitcode == 0 and not w.is_alive()
+
+
+def test_a_worker_killed_through_its_pid_shows_its_exitcode():
+    with deadline(60):
+        it = iter(seeded(DataLoader, dd.WhoLoads(400)))
+        next(it)
+        victim, other = _workers_running(it, 2)
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join(30)
+        assert victim.exitcode == -signal.SIGKILL and not victim.is_alive()
+        with pytest.raises(WorkerError, match=f"pid {victim.pid}"):
+            for _ in it:
+                pass
+        # the pool closed the process objects; they still answer as torch's do
+        assert victim.exitcode == -signal.SIGKILL and victim.pid is not None
+        other.join(30)
+        assert other.exitcode is not None and not other.is_alive()
+        victim.terminate()   # reaped: must not signal a pid that may be reused
+        victim.kill()
+
+
+def test_terminate_through_workers_ends_the_epoch_with_a_clear_error():
+    with deadline(60):
+        it = iter(seeded(DataLoader, dd.WhoLoads(400), persistent_workers=True))
+        next(it)
+        w = it._workers[1]
+        w.terminate()
+        w.join(30)
+        assert w.exitcode == -signal.SIGTERM
+        with pytest.raises(WorkerError, match="SIGTERM"):
+            for _ in it:
+                pass
+
+
+# ---- 5. install() -----------------------------------------------------------------------
+
+def _what(batches):
+    return [{k: v for k, v in b.items() if k not in ("pid", "fast")} for b in batches]
+
+
+def _epoch(loader):
+    with deadline(60):
+        return collect(loader)
+
+
+def test_install_gives_torch_loaders_fastloader_workers_and_the_same_batches():
+    expected = _epoch(seeded(TorchDataLoader, dd.WhoLoads()))
+    assert not any(bool(b["fast"].any()) for b in expected)   # torch's own workers
+    fastloader.install()
+    fastloader.install()   # idempotent
+    assert fastloader.installed()
+    for cls in (TorchDataLoader, dd.IterOverridingLoader):
+        loader = seeded(cls, dd.WhoLoads())
+        got = _epoch(loader)
+        assert type(loader) is cls
+        assert all(bool(b["fast"].all()) for b in got)
+        # who loaded differs; what was loaded must not
+        assert_same_batch_lists(_what(expected), _what(got))
+    probe = TorchDataLoader(dd.WhoLoads(), batch_size=4, num_workers=1)
+    assert type(iter(probe)) is FastMultiProcessingIter
+    # num_workers=0 stays torch's path; a subclass with its own iterator keeps it
+    assert type(iter(TorchDataLoader(list(range(4))))) is _SingleProcessDataLoaderIter
+    own = seeded(dd.OwnIteratorLoader, dd.WhoLoads())
+    got = _epoch(own)
+    assert not any(bool(b["fast"].any()) for b in got)
+    fastloader.uninstall()
+    fastloader.uninstall()   # idempotent
+    assert not fastloader.installed()
+    assert TorchDataLoader.__dict__["_get_iterator"] is TORCH_GET_ITERATOR
+    got = _epoch(seeded(TorchDataLoader, dd.WhoLoads()))
+    assert not any(bool(b["fast"].any()) for b in got)
+
+
+def test_install_keeps_persistent_workers_and_strategy():
+    fastloader.install(sharing_strategy="file_system")
+    loader = seeded(TorchDataLoader, dd.WhoLoads(), persistent_workers=True)
+    first, second = _epoch(loader), _epoch(loader)
+    assert loader._iterator.sharing_strategy == "file_system"
+    assert all(bool(b["fast"].all()) for b in first + second)
+    pids = {int(p) for b in first + second for p in b["pid"]}
+    assert len(pids) == 2   # the same two workers served both epochs
+    loader._iterator._shutdown_workers()
+    with pytest.raises(ValueError, match="sharing_strategy"):
+        fastloader.install(sharing_strategy="shared")
+
+
+def test_install_and_uninstall_from_many_threads_leave_torch_consistent():
+    barrier = threading.Barrier(8)
+
+    def flip(i):
+        barrier.wait()
+        for _ in range(200):
+            (fastloader.install if i % 2 else fastloader.uninstall)()
+
+    threads = [threading.Thread(target=flip, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    current = TorchDataLoader.__dict__["_get_iterator"]
+    assert (current is not TORCH_GET_ITERATOR) == fastloader.installed()
+    fastloader.uninstall()
+    assert TorchDataLoader.__dict__["_get_iterator"] is TORCH_GET_ITERATOR
+
+
+def test_uninstall_leaves_a_later_patch_alone():
+    fastloader.install()
+
+    def someone_elses(self):
+        return TORCH_GET_ITERATOR(self)
+
+    TorchDataLoader._get_iterator = someone_elses
+    try:
+        with pytest.warns(FastLoaderWarning, match="replaced by someone else"):
+            fastloader.uninstall()
+        assert TorchDataLoader.__dict__["_get_iterator"] is someone_elses
+    finally:
+        TorchDataLoader._get_iterator = TORCH_GET_ITERATOR
+
+
+@pytest.mark.parametrize("value,strategy", [("1", "file_descriptor"),
+                                            ("file_system", "file_system"), ("0", None),
+                                            ("false", None), ("No", None), ("OFF", None),
+                                            ("", None), ("TRUE", "file_descriptor")])
+def test_environment_variable_installs_at_import(subprocess_env, value, strategy):
+    code = textwrap.dedent("""
+        import torch, fastloader
+        from tests.support.dropin_datasets import WhoLoads
+        loader = torch.utils.data.DataLoader(WhoLoads(8), batch_size=4, num_workers=1)
+        it = iter(loader)
+        batch = next(it)
+        print(fastloader.installed(), type(it).__name__, bool(batch["fast"].all()),
+              getattr(it, "sharing_strategy", None))
+        """)
+    env = dict(subprocess_env, FASTLOADER_INSTALL=value)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "is not one of" not in out.stderr, out.stderr
+    if strategy is None:
+        assert out.stdout.split() == ["False", "_MultiProcessingDataLoaderIter", "False", "None"]
+    else:
+        assert out.stdout.split() == ["True", "FastMultiProcessingIter", "True", strategy]
+
+
+def test_unknown_environment_value_installs_and_warns(subprocess_env):
+    env = dict(subprocess_env, FASTLOADER_INSTALL="maybe", PYTHONWARNINGS="default")
+    out = subprocess.run([sys.executable, "-c", "import fastloader; print(fastloader.installed())"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True"]
+    assert "FASTLOADER_INSTALL='maybe' is not one of" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("as_module", [False, True], ids=["script", "module"])
+def test_launch_runs_an_unmodified_script_with_install(subprocess_env, tmp_path, as_module):
+    (tmp_path / "train_unmodified.py").write_text(textwrap.dedent("""
+        import sys
+        import torch
+        from tests.support.dropin_datasets import WhoLoads
+
+        if __name__ == "__main__":
+            loader = torch.utils.data.DataLoader(WhoLoads(8), batch_size=4, num_workers=1)
+            it = iter(loader)
+            print(type(it).__name__, bool(next(it)["fast"].all()), sys.argv[1:])
+        """))
+    target = ["-m", "train_unmodified"] if as_module else [str(tmp_path / "train_unmodified.py")]
+    env = dict(subprocess_env, PYTHONPATH=f"{tmp_path}{os.pathsep}{subprocess_env['PYTHONPATH']}")
+    out = subprocess.run([sys.executable, "-m", "fastloader.launch", *target, "--lr", "0.1"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["FastMultiProcessingIter", "True", "['--lr',", "'0.1']"]
+    usage = subprocess.run([sys.executable, "-m", "fastloader.launch"], capture_output=True,
+                           text=True, env=env, timeout=300)
+    assert usage.returncode == 2 and "usage" in usage.stderr
+
+
+def test_reading_accelerates_prepared_flag_warns_unless_installed():
+    loader = DataLoader(list(range(8)), batch_size=2, num_workers=2)
+    with pytest.warns(FastLoaderWarning, match="accelerate.*fastloader.install"):
+        assert getattr(loader, "_is_accelerate_prepared", False) is False
+    fastloader.install()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert getattr(loader, "_is_accelerate_prepared", False) is False
+    fs = DataLoader(list(range(8)), batch_size=2, num_workers=2, sharing_strategy="file_system")
+    with pytest.warns(FastLoaderWarning, match="install\\(sharing_strategy='file_system'\\)"):
+        getattr(fs, "_is_accelerate_prepared", False)
+    loader._is_accelerate_prepared = True   # accelerate sets it on what it returns
+    assert loader._is_accelerate_prepared is True
+    fastloader.uninstall()
+    with warnings.catch_warnings():   # nothing left to say about a prepared loader
+        warnings.simplefilter("error")
+        assert loader._is_accelerate_prepared is True
+        assert getattr(DataLoader([1], num_workers=0), "_is_accelerate_prepared", 0) is False
+
+
+# ---- 7. pandas and NumPy object metadata ------------------------------------------------
+
+N_ROWS = 1_000_000
+
+
+@pytest.fixture(scope="module")
+def paths_frame():
+    pd = pytest.importorskip("pandas")
+    paths = [f"images/train/{i:07d}.jpg" for i in range(N_ROWS)]
+    return pd.DataFrame({"path": pd.Series(paths, dtype=object),
+                         "label": np.arange(N_ROWS) % 1000})
+
+
+def test_warns_for_an_object_column_of_a_dataframe(paths_frame):
+    _reset_once_registry()
+    loader = DataLoader(dd.PathsFrame(paths_frame), batch_size=4096, num_workers=2,
+                        collate_fn=dd.sum_collate)
+    with pytest.warns(HeavyMetadataWarning) as caught:
+        it = iter(loader)
+    text = str(caught[0].message)
+    assert "`dataset.df['path']`" in text and "pandas column" in text
+    assert "1,000,000 items" in text and "per worker" in text
+    assert "fastloader.PackedStringArray(df['path'])" in text
+    it._shutdown_workers()
+    # the numeric column is not named; nor is anything once the column is packed
+    assert [f.path for f in find_heavy_metadata(dd.PathsFrame(paths_frame))] == \
+        ["dataset.df['path']"]
+
+
+def test_series_numpy_object_arrays_and_python_strings_are_found(paths_frame):
+    pd = pytest.importorskip("pandas")
+    column = paths_frame["path"]
+
+    class Holder:
+        def __init__(self):
+            self.series = column
+            self.objects = column.to_numpy()
+            self.python_strings = pd.Series(column, dtype=pd.StringDtype("python"))
+            self.labels = paths_frame["label"]                  # int64: no objects
+            self.packed = fastloader.PackedStringArray(column)  # the documented fix
+
+    found = {f.path: f for f in find_heavy_metadata(Holder())}
+    assert set(found) == {"dataset.series", "dataset.objects", "dataset.python_strings"}
+    assert all(f.all_str and f.items == N_ROWS for f in found.values())
+    assert list(Holder().packed[:2]) == list(column[:2])
+
+
+def test_frames_in_dict_or_list_attributes_and_object_indexes_are_found(paths_frame):
+    pd = pytest.importorskip("pandas")
+    names = paths_frame["path"].tolist()
+
+    class Splits:
+        def __init__(self):
+            self.splits = {"train": paths_frame, "val": paths_frame.iloc[:10]}
+            self.frames = [paths_frame[["label"]], paths_frame[["path"]]]
+            self.lists = {"names": names}
+            self.index = pd.Index(names, dtype=object)
+            self.by_name = paths_frame.set_index("path")     # indexed by file name
+            self.numbers = pd.Index(np.arange(N_ROWS))       # int64: no objects
+
+    found = {f.path: f for f in find_heavy_metadata(Splits())}
+    assert set(found) == {"dataset.splits['train']['path']", "dataset.frames[1]['path']",
+                          "dataset.lists['names']", "dataset.index",
+                          "dataset.by_name.index"}, sorted(found)
+    assert all(f.all_str and f.items == N_ROWS for f in found.values())
+    assert found["dataset.index"].type_name == "pandas Index of Python objects"
+
+
+def test_arrow_backed_strings_are_not_reported():
+    pd = pytest.importorskip("pandas")
+    pytest.importorskip("pyarrow")
+    frame = pd.DataFrame({"path": pd.Series([f"p/{i}" for i in range(200_000)],
+                                            dtype=pd.StringDtype("pyarrow"))})
+    assert find_heavy_metadata(dd.PathsFrame(frame)) == []
+
+
+def _uss(pid):
+    return psutil.Process(pid).memory_full_info().uss
+
+
+def _epoch_growth(dataset):
+    """USS growth of one forked worker from its first batch to the end of a full
+    shuffled epoch (a persistent worker stays alive to be measured)."""
+    loader = DataLoader(dataset, batch_size=4096, shuffle=True, num_workers=1,
+                        multiprocessing_context="fork", persistent_workers=True,
+                        collate_fn=dd.sum_collate)
+    with deadline(120, "pandas epoch"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", HeavyMetadataWarning)
+        it = iter(loader)
+        total = int(next(it))
+        (pid,) = it.worker_pids
+        start = _uss(pid)
+        for batch in it:
+            total += int(batch)
+        end = _uss(pid)
+    it._shutdown_workers()
+    del it, loader
+    settle()
+    return end - start, total
+
+
+@pytest.mark.skipif(bool(os.environ.get("FASTLOADER_ASAN")),
+                    reason="USS figures do not hold under AddressSanitizer")
+def test_the_estimate_matches_the_measured_per_worker_cost_and_the_fix_removes_it(paths_frame):
+    expected_total = int(paths_frame["path"].str.len().sum())
+    (finding,) = find_heavy_metadata(dd.PathsFrame(paths_frame))
+    growth, total = _epoch_growth(dd.PathsFrame(paths_frame))
+    assert total == expected_total   # every row was read
+    # the warning's figure is the copy a forked worker really makes, within 2x
+    assert finding.nbytes / 2 <= growth <= finding.nbytes * 2, \
+        f"estimate {finding.nbytes / MIB:.1f} MiB, measured {growth / MIB:.1f} MiB"
+    packed = fastloader.PackedStringArray(paths_frame["path"])
+    growth_packed, total = _epoch_growth(dd.PackedPaths(packed))
+    assert total == expected_total
+    # packed: no per-row object to copy (what remains is the worker's own churn)
+    assert growth_packed < min(growth, finding.nbytes) / 4, \
+        f"packed: {growth_packed / MIB:.1f} MiB, objects: {growth / MIB:.1f} MiB"

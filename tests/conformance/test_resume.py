@@ -1,0 +1,147 @@
+"""Mid-epoch resume: stop after k batches, save, restore into a fresh loader (as
+a restarted job would), and the rest of the epoch equals an uninterrupted run,
+batch by batch, including values drawn from worker RNGs."""
+import pytest
+import torch
+from torch.utils.data.distributed import DistributedSampler
+
+import fastloader
+from tests.support import resume_datasets as rd
+from tests.support.helpers import assert_same_batch_lists, clone_batch
+
+pytestmark = [pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")]
+
+
+def make(dataset, seed=7, **kw):
+    kw.setdefault("num_workers", 2)
+    return fastloader.DataLoader(dataset, generator=torch.Generator().manual_seed(seed), **kw)
+
+
+def epochs(loader, n):
+    return [[clone_batch(b) for b in loader] for _ in range(n)]
+
+
+def interrupted(dataset, k, epoch=0, **kw):
+    """Run `epoch` full epochs, then k batches of the next; save; resume elsewhere."""
+    first = make(dataset, **kw)
+    for _ in range(epoch):
+        for _ in first:
+            pass
+    it = iter(first)
+    head = [clone_batch(next(it)) for _ in range(k)]
+    state = first.state_dict()
+    del it, first
+    second = make(dataset, seed=999, **kw)   # a different RNG: the state must win
+    second.load_state_dict(state)
+    return head, [clone_batch(b) for b in second]
+
+
+@pytest.mark.parametrize("k", [0, 1, 5, 11])
+@pytest.mark.parametrize("every", [0, 2])
+def test_map_style_shuffled_resume_matches_uninterrupted(k, every):
+    ds = rd.RandomAugmented(60)
+    kw = dict(batch_size=4, shuffle=True, snapshot_every_n_steps=every)
+    (full,) = epochs(make(ds, **kw), 1)
+    head, tail = interrupted(ds, k, **kw)
+    assert_same_batch_lists(full[:k], head, "before the stop")
+    assert_same_batch_lists(full[k:], tail, f"resumed after {k}")
+
+
+@pytest.mark.parametrize("k", [3, 9])
+def test_persistent_workers_resume_in_second_epoch(k):
+    ds = rd.RandomAugmented(40)
+    kw = dict(batch_size=4, shuffle=True, persistent_workers=True, snapshot_every_n_steps=1)
+    full = epochs(make(ds, **kw), 2)
+    head, tail = interrupted(ds, k, epoch=1, **kw)
+    assert_same_batch_lists(full[1][:k], head, "epoch 2 before the stop")
+    assert_same_batch_lists(full[1][k:], tail, f"epoch 2 resumed after {k}")
+
+
+@pytest.mark.parametrize("stateful", [True, False])
+@pytest.mark.parametrize("k", [2, 7])
+def test_iterable_dataset_resume(stateful, k):
+    kw = dict(batch_size=3, snapshot_every_n_steps=2)
+    (full,) = epochs(make(rd.CountingStream(45, stateful), **kw), 1)
+    head, tail = interrupted(rd.CountingStream(45, stateful), k, **kw)
+    assert_same_batch_lists(full[:k], head, "before the stop")
+    assert_same_batch_lists(full[k:], tail, f"resumed after {k}")
+
+
+@pytest.mark.parametrize("k", [0, 4])
+def test_single_process_resume(k):
+    ds = rd.RandomAugmented(30)
+    kw = dict(batch_size=4, shuffle=True, num_workers=0)
+    (full,) = epochs(make(ds, **kw), 1)
+    first = make(ds, **kw)
+    it = iter(first)
+    for _ in range(k):
+        next(it)
+    state = first.state_dict()
+    second = make(ds, seed=3, **kw)
+    second.load_state_dict(state)
+    got = [clone_batch(b) for b in second]
+    assert [b["i"].tolist() for b in got] == [b["i"].tolist() for b in full[k:]]
+
+
+def test_state_between_epochs_starts_the_next_epoch():
+    ds = rd.RandomAugmented(24)
+    kw = dict(batch_size=4, shuffle=True)
+    loader = make(ds, **kw)
+    (e1,) = epochs(loader, 1)
+    state = loader.state_dict()
+    (e2,) = epochs(loader, 1)
+    other = make(ds, seed=5, **kw)
+    other.load_state_dict(state)
+    (again,) = epochs(other, 1)
+    assert_same_batch_lists(e2, again, "the epoch after a saved finished epoch")
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(dataset=rd.RandomAugmented(61)), "dataset length"),
+    (dict(batch_size=5), "batch size"),
+    (dict(num_workers=1), "num_workers"),
+])
+def test_mismatched_state_raises(change, match):
+    kw = dict(dataset=rd.RandomAugmented(60), batch_size=4, shuffle=True)
+    loader = make(**kw)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    del it
+    kw.update(change)
+    with pytest.raises(ValueError, match=match):
+        make(**kw).load_state_dict(state)
+
+
+def test_world_size_mismatch_raises():
+    ds = rd.RandomAugmented(60)
+    s2 = DistributedSampler(ds, num_replicas=2, rank=0, shuffle=True, seed=1)
+    loader = fastloader.DataLoader(ds, batch_size=4, sampler=s2, num_workers=1)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    del it
+    s4 = DistributedSampler(ds, num_replicas=4, rank=0, shuffle=True, seed=1)
+    with pytest.raises(ValueError, match="world size"):
+        fastloader.DataLoader(ds, batch_size=4, sampler=s4, num_workers=1).load_state_dict(state)
+
+
+def test_distributed_sampler_resume_with_set_epoch():
+    ds = rd.RandomAugmented(50)
+
+    def build():
+        torch.manual_seed(0)   # base seed from the global RNG, as a job that seeds would
+        s = DistributedSampler(ds, num_replicas=2, rank=1, shuffle=True, seed=3)
+        s.set_epoch(4)
+        return fastloader.DataLoader(ds, batch_size=3, sampler=s, num_workers=2)
+
+    full = [clone_batch(b) for b in build()]
+    first = build()
+    it = iter(first)
+    head = [clone_batch(next(it)) for _ in range(3)]
+    state = first.state_dict()
+    del it
+    second = build()
+    second.load_state_dict(state)
+    tail = [clone_batch(b) for b in second]
+    assert_same_batch_lists(full, head + tail, "DistributedSampler resume")

@@ -1,0 +1,145 @@
+"""Batches whose tensors and arrays alias each other, for tests/test_aliasing.py.
+
+Module level, so that spawned workers find them as ``tests.support.aliasing_datasets.<name>``.
+The loaders run with batch_size=1 and ``case_collate``: sample i builds the batch of
+case CASES[i], deterministically from i, so torch's loader and fastloader's get the
+same objects to carry and every difference comes from the transport.
+"""
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+
+class Holder:
+    """A class the codec does not know: pickled (with its tensors out of band)."""
+
+    def __init__(self, t, tag):
+        self.t = t
+        self.tag = tag
+
+
+def same_tensor_twice(i):
+    t = torch.arange(6, dtype=torch.float32) + i
+    u = torch.arange(3)
+    return {"a": t, "b": t, "tup": (t, u, t), "lst": [u, t, u], "d": {"x": t}}
+
+
+def labels_is_input_ids(i):
+    ids = torch.arange(10, dtype=torch.int64).reshape(2, 5) + i
+    return {"input_ids": ids, "attention_mask": torch.ones(2, 5, dtype=torch.int64),
+            "labels": ids}
+
+
+def view_and_base(i):
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6) + i
+    return {"base": base, "row": base[1], "block": base[1:3, 2:5], "flat": base.view(-1),
+            "empty": base[2:2], "col": base[:, 3]}
+
+
+def views_without_base(i):
+    base = torch.arange(60, dtype=torch.float64).reshape(6, 10) + i
+    return [base[2:4, 1:7], base[3:, ::3]]
+
+
+def slices_with_offsets(i):
+    big = torch.arange(1000, dtype=torch.int64) + i
+    other = torch.arange(500, dtype=torch.int16)
+    return (big[5:7], big[100:200:3], other[7:9])
+
+
+def non_contiguous(i):
+    x = torch.arange(12, dtype=torch.float32).reshape(3, 4) + i
+    y = torch.arange(24, dtype=torch.int32).reshape(2, 3, 4)
+    return {"t": x.t(), "step": torch.arange(10.0)[::2], "perm": y.permute(2, 0, 1),
+            "narrow": y[:, 1:, ::2]}
+
+
+def expanded(i):
+    return {"row": torch.ones(3).expand(4, 3), "scalar": torch.tensor(float(i)).expand(5),
+            "mid": torch.arange(6.0).reshape(2, 1, 3).expand(2, 4, 3)}
+
+
+def dtype_views(i):
+    f = torch.arange(16, dtype=torch.float32).reshape(4, 4) + i
+    return {"f": f, "i32": f.view(torch.int32), "u8": f.view(torch.uint8)[1:3],
+            "bf16": f.view(torch.bfloat16), "i64_t": f.view(torch.int64).t()}
+
+
+def fortran_arrays(i):
+    a = np.arange(12.0).reshape(3, 4) + i
+    return {"f": np.asfortranarray(a), "f3": np.asfortranarray(np.arange(24).reshape(2, 3, 4)),
+            "c": a, "tr": a.T, "f_slice": np.asfortranarray(a)[:, 1:3],
+            "one_d": np.arange(5.0)}
+
+
+def numpy_views(i):
+    a = np.arange(20.0).reshape(4, 5) + i
+    return {"a": a, "rows": a[1:], "cols": a[:, ::2], "again": a, "bcast":
+            np.broadcast_to(np.arange(3.0), (4, 3)), "pair": (a[2], a[2])}
+
+
+def requires_grad(i):
+    w = torch.arange(3.0).requires_grad_(True)
+    return {"w": w, "w_detached": w.detach(), "w_view": w.detach()[1:],
+            "p": torch.nn.Parameter(torch.ones(2) * i)}
+
+
+def containers_twice(i):
+    lst = [torch.tensor([i]), "s"]
+    dct = {"k": torch.tensor([2 * i])}
+    return {"l1": lst, "l2": lst, "d": (dct, dct), "n": [np.int64(i), np.int64(i)]}
+
+
+def pickled_object_sharing(i):
+    t = torch.arange(4.0) + i
+    h = Holder(t, "tag")
+    return {"h": h, "t": t, "h_again": h, "view": t[1:3]}
+
+
+def nested_tensors(i):
+    parts = [torch.arange(3.0) + i, torch.arange(5.0)]
+    return {"jagged": torch.nested.nested_tensor(parts, layout=torch.jagged),
+            "strided": torch.nested.nested_tensor(parts)}
+
+
+CASES = [
+    same_tensor_twice, labels_is_input_ids, view_and_base, views_without_base,
+    slices_with_offsets, non_contiguous, expanded, dtype_views, fortran_arrays,
+    numpy_views, requires_grad, containers_twice, pickled_object_sharing, nested_tensors,
+]
+CASE_NAMES = [c.__name__ for c in CASES]
+
+
+class IndexDataset(Dataset):
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return i
+
+
+def case_collate(indices):
+    (i,) = indices
+    return CASES[i](i)
+
+
+def non_leaf_collate(indices):
+    return {"x": torch.ones(3, requires_grad=True) * 2}
+
+
+def _boom():
+    raise ValueError("boom")
+
+
+class FailsToUnpickle:
+    """Pickles fine in the worker; rebuilding it in the main process raises."""
+
+    def __reduce__(self):
+        return (_boom, ())
+
+
+def unpickling_fails_collate(indices):
+    return {"x": torch.ones(2), "bad": FailsToUnpickle()}

@@ -1,0 +1,267 @@
+"""Helpers shared by the fastloader tests (comparison, deadlines, process/fd probes)."""
+import collections
+import collections.abc
+import contextlib
+import gc
+import glob
+import os
+import re
+import signal
+import time
+
+import numpy as np
+import psutil
+import torch
+
+from fastloader.sharing import NAME_ROOT, parse_segment_name
+
+SHM_GLOB = f"/dev/shm/{NAME_ROOT}-*"
+
+
+# ---- comparing batches --------------------------------------------------------------
+
+def assert_same_batches(a, b, path="batch", exact=()):
+    """Assert that two (nested) values are identical: same types at every level
+    (``type(x) is type(y)``, so namedtuple vs tuple or np.float64 vs float count),
+    same dtypes, shapes, devices and values, same key order, and for mappings and
+    other objects the same attributes (dict subclasses' ``__dict__``, defaultdict
+    factories). Instances of the types in ``exact`` are compared with ``==``."""
+    if isinstance(a, exact) or isinstance(b, exact):
+        assert a == b, f"{path}: {a!r} != {b!r}"
+        return
+    assert type(a) is type(b), f"{path}: type {type(a).__name__} != {type(b).__name__}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype, f"{path}: dtype {a.dtype} != {b.dtype}"
+        assert a.shape == b.shape, f"{path}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+        assert a.device == b.device, f"{path}: device {a.device} != {b.device}"
+        assert torch.equal(a, b), f"{path}: values differ\n{a}\n!=\n{b}"
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype, f"{path}: dtype {a.dtype} != {b.dtype}"
+        assert a.shape == b.shape, f"{path}: shape {a.shape} != {b.shape}"
+        # object arrays hold Python values: compare those, not their identities
+        same = a.tolist() == b.tolist() if a.dtype == object else np.array_equal(a, b)
+        assert same, f"{path}: values differ\n{a!r}\n!=\n{b!r}"
+    elif isinstance(a, np.generic):
+        assert a.dtype == b.dtype, f"{path}: dtype {a.dtype} != {b.dtype}"
+        assert a == b, f"{path}: {a!r} != {b!r}"
+    elif isinstance(a, collections.abc.Mapping):
+        assert list(a.keys()) == list(b.keys()), f"{path}: keys {list(a)} != {list(b)}"
+        for key in a:
+            assert_same_batches(a[key], b[key], f"{path}[{key!r}]", exact)
+        if isinstance(a, collections.defaultdict):
+            assert a.default_factory is b.default_factory, f"{path}: default_factory"
+        if hasattr(a, "__dict__"):
+            assert_same_batches(vars(a), vars(b), f"{path}.__dict__", exact)
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{path}: length {len(a)} != {len(b)}\n{a!r}\n{b!r}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_batches(x, y, f"{path}[{i}]", exact)
+    elif isinstance(a, (str, bytes, int, float, complex, type(None), range, type)):
+        assert a == b, f"{path}: {a!r} != {b!r}"
+    elif hasattr(a, "__dict__"):
+        assert_same_batches(vars(a), vars(b), f"{path}.__dict__", exact)
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def assert_same_batch_lists(expected, got, what=""):
+    assert len(got) == len(expected), f"{what}: {len(got)} batches, expected {len(expected)}"
+    for i, (e, g) in enumerate(zip(expected, got)):
+        assert_same_batches(g, e, f"{what} batch {i}")
+
+
+def clone_batch(obj):
+    """Deep copy into private memory (so cached references hold no shm, fds or slots)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, np.ndarray):
+        return obj.copy()
+    if isinstance(obj, dict):
+        return type(obj)((k, clone_batch(v)) for k, v in obj.items())
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(clone_batch(v) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(clone_batch(v) for v in obj)
+    if hasattr(obj, "__dict__") and not isinstance(obj, type):
+        new = object.__new__(type(obj))
+        new.__dict__.update({k: clone_batch(v) for k, v in vars(obj).items()})
+        return new
+    return obj
+
+
+def iter_tensors(obj):
+    """Every tensor inside a nested batch."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from iter_tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from iter_tensors(v)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+        for v in vars(obj).values():
+            yield from iter_tensors(v)
+
+
+def tensor_span(t):
+    """[start, end) of the bytes a tensor's elements occupy."""
+    start = t.data_ptr()
+    if t.numel() == 0:
+        return start, start
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if size > 0)
+    return start, start + (last + 1) * t.element_size()
+
+
+def span_in_segments(span, segments):
+    start, end = span
+    return any(addr <= start and end <= addr + nbytes for addr, nbytes in segments)
+
+
+# ---- never hang ---------------------------------------------------------------------
+
+class DeadlineExceeded(BaseException):
+    """Raised by `deadline` (a BaseException so no loader code swallows or wraps it)."""
+
+
+@contextlib.contextmanager
+def deadline(seconds, what="loader"):
+    """Interrupt the main thread with DeadlineExceeded after `seconds` (SIGALRM).
+
+    fastloader waits in C with signals checked, so a hang becomes a test failure
+    instead of a stuck suite; faulthandler_timeout is the backstop if even that fails.
+    Interval timers are not inherited across fork, so workers are unaffected."""
+    def on_alarm(signum, frame):
+        raise DeadlineExceeded(f"{what}: still running after {seconds} s (hang?)")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def collect(loader, seconds=60, what="loader"):
+    with deadline(seconds, what):
+        return list(loader)
+
+
+# ---- processes, fds, mappings, /dev/shm -------------------------------------------
+
+_HELPER_MARKERS = ("multiprocessing.forkserver", "multiprocessing.resource_tracker",
+                   "multiprocessing.semaphore_tracker")
+
+
+def _is_helper(proc):
+    try:
+        cmdline = " ".join(proc.cmdline())
+    except psutil.Error:
+        return False
+    return any(marker in cmdline for marker in _HELPER_MARKERS)
+
+
+def loader_children():
+    """pids of our descendants, minus the long-lived multiprocessing helpers
+    (forkserver server, resource tracker) that outlive every loader by design.
+    Workers forked by the forkserver are included."""
+    me = psutil.Process()
+    result = set()
+    for child in me.children():
+        if _is_helper(child):
+            try:
+                result.update(p.pid for p in child.children(recursive=True))
+            except psutil.Error:
+                pass
+        else:
+            result.add(child.pid)
+            try:
+                result.update(p.pid for p in child.children(recursive=True))
+            except psutil.Error:
+                pass
+    return result
+
+
+def is_gone(pid):
+    """True when pid no longer runs (exited and reaped, or a zombie of another parent)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def is_reaped(pid):
+    """True when pid is not (even as a zombie) a child of this process."""
+    return pid not in {p.pid for p in psutil.Process().children()} and is_gone(pid)
+
+
+def wait_until(predicate, timeout, interval=0.05):
+    end = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() >= end:
+            return False
+        time.sleep(interval)
+
+
+def num_fds():
+    return psutil.Process().num_fds()
+
+
+def num_maps():
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
+
+
+def map_lines():
+    with open("/proc/self/maps") as f:
+        return f.read().splitlines()
+
+
+def shm_names():
+    return set(glob.glob(SHM_GLOB))
+
+
+def _foreign(path):
+    """Best effort on a shared machine: a name embedding the pid of a live process that
+    is neither us nor one of our descendants belongs to someone else's session.
+    Names without a pid, or with a dead pid (a crash leftover), always count."""
+    parsed = parse_segment_name(os.path.basename(path))
+    if parsed is None:
+        return False
+    pid = parsed.pid
+    if pid == os.getpid() or pid in loader_children() or is_gone(pid):
+        return False
+    return True
+
+
+def shm_left(before):
+    """fastloader-* entries in /dev/shm now that were not there in `before`."""
+    return {p for p in shm_names() - before if not _foreign(p)}
+
+
+def assert_no_shm_left(before, timeout=5):
+    wait_until(lambda: not shm_left(before), timeout)
+    left = shm_left(before)
+    assert not left, f"left in /dev/shm: {sorted(left)}"
+
+
+def settle():
+    """Drop garbage (iterators in reference cycles) before measuring."""
+    gc.collect()
+
+
+def assert_names_dead_worker(error, worker_id, pid, cause):
+    """A worker death is reported as WorkerError (a RuntimeError) naming the worker,
+    its pid and the cause (signal name or exit code)."""
+    import re
+
+    from fastloader import WorkerError
+
+    message = str(error)
+    assert isinstance(error, WorkerError) and isinstance(error, RuntimeError), repr(error)
+    assert re.search(rf"\bworker {worker_id}\b", message), f"no 'worker {worker_id}': {message}"
+    assert re.search(rf"\bpid {pid}\b", message), f"no 'pid {pid}': {message}"
+    assert re.search(rf"\b{cause}\b", message), f"no {cause!r}: {message}"

@@ -1,0 +1,162 @@
+"""Run one out-of-shared-memory scenario in a private mount namespace whose /dev/shm
+is a small tmpfs (or, for memfd segments, under a small RLIMIT_FSIZE), and print
+one JSON line: what the scenario raised. Used by tests/test_shm_limits.py, which
+runs this as a child process so that a SIGBUS kills only the child (and shows as
+its exit status) and the mounts never reach the test process.
+
+    python -m tests.support.shm_limits_child SCENARIO [tmpfs size]
+
+Exit status 77: the namespace cannot be made here (not root, no CAP_SYS_ADMIN)."""
+import ctypes
+import ctypes.util
+import json
+import os
+import resource
+import sys
+
+CLONE_NEWNS = 0x00020000
+MS_REC = 0x4000
+MS_PRIVATE = 1 << 18
+SKIP = 77
+
+
+def private_shm(size: str) -> None:
+    """Unshare the mount namespace, stop mounts propagating back, and mount a
+    fresh tmpfs of `size` over /dev/shm (only this process and its children see it)."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
+    if os.geteuid() != 0:
+        print(json.dumps({"skip": "not root: cannot make a mount namespace"}))
+        sys.exit(SKIP)
+    if libc.unshare(CLONE_NEWNS) != 0:
+        err = ctypes.get_errno()
+        print(json.dumps({"skip": f"unshare(CLONE_NEWNS): {os.strerror(err)}"}))
+        sys.exit(SKIP)
+    for args in ((None, b"/", None, MS_REC | MS_PRIVATE, None),
+                 (b"tmpfs", b"/dev/shm", b"tmpfs", 0, f"size={size},mode=1777".encode())):
+        if libc.mount(*args) != 0:
+            err = ctypes.get_errno()
+            print(json.dumps({"skip": f"mount {args[1]!r}: {os.strerror(err)}"}))
+            sys.exit(SKIP)
+
+
+def fill_shm(leave: int = 0) -> None:
+    """Take all of /dev/shm but `leave` bytes, with pages that really exist."""
+    st = os.statvfs("/dev/shm")
+    free = st.f_bavail * st.f_frsize
+    fd = os.open("/dev/shm/filler", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        if free - leave > 0:
+            os.posix_fallocate(fd, 0, free - leave)
+    finally:
+        os.close(fd)
+
+
+# ---- datasets (module level: spawn workers import them) -----------------------------
+
+class Blobs:
+    """`n` samples of `nbytes` bytes each (float32 tensors)."""
+
+    def __init__(self, n, nbytes, first_nbytes=None):
+        self.n, self.nbytes, self.first = n, nbytes, first_nbytes or nbytes
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        import torch
+
+        size = self.first if i == 0 else self.nbytes
+        return torch.full((size // 4,), float(i))
+
+
+def iterate(loader, hold=True):
+    held = []
+    for batch in loader:
+        if hold:
+            held.append(batch)
+    return len(held)
+
+
+# ---- scenarios ----------------------------------------------------------------------
+
+def loader(ds, strategy, **kw):
+    from fastloader import DataLoader
+
+    kw.setdefault("num_workers", 1)
+    return DataLoader(ds, batch_size=None, sharing_strategy=strategy,
+                      multiprocessing_context="fork", **kw)
+
+
+def control_block(strategy):
+    """No room at all: the very first segment, the control block, cannot be made."""
+    if strategy == "file_system":
+        fill_shm()
+    else:
+        memfd_limit(16 << 10)
+    iterate(loader(Blobs(2, 4096), strategy))
+
+
+def memfd_limit(nbytes):
+    """memfds live on the kernel's internal tmpfs, not in /dev/shm: a file-size
+    limit is what makes creating or reserving one fail here (a memory cgroup limit
+    fails it the same way, with ENOMEM). The control block (about 1 MiB) fits."""
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))
+
+
+def arena(strategy):
+    """Batches held by the consumer fill /dev/shm slot by slot, then overflow."""
+    if strategy == "file_system":
+        iterate(loader(Blobs(64, 1 << 20), strategy, prefetch_factor=2))
+    else:
+        memfd_limit(3 << 19)
+        iterate(loader(Blobs(4, 2 << 20), strategy))
+
+
+def overflow(strategy):
+    """A batch bigger than the slots (the arena was sized from a small first one)."""
+    if strategy == "file_descriptor":
+        memfd_limit(3 << 20)
+    iterate(loader(Blobs(3, 6 << 20, first_nbytes=4096), strategy))
+
+
+def packed_build(strategy):
+    from fastloader import PackedStringArray
+
+    if strategy == "file_descriptor":
+        memfd_limit(1 << 20)
+    PackedStringArray((f"{i:08d}-" + "x" * 200 for i in range(40000)),
+                      sharing_strategy=strategy)
+
+
+def packed_share(strategy):
+    from fastloader import PackedArray
+
+    a = PackedArray([{"i": i, "pad": "y" * 100} for i in range(15000)],
+                    sharing_strategy="file_descriptor" if strategy == "file_system"
+                    else "file_system")
+    if strategy == "file_system":
+        fill_shm()
+    else:
+        memfd_limit(64 << 10)
+    a.share(strategy)
+
+
+SCENARIOS = {f.__name__: f for f in (control_block, arena, overflow, packed_build,
+                                     packed_share)}
+
+
+def main():
+    name, strategy = sys.argv[1], sys.argv[2]
+    size = sys.argv[3] if len(sys.argv) > 3 else "4m"
+    private_shm(size)
+    try:
+        SCENARIOS[name](strategy)
+    except BaseException as exc:   # reported to the parent, which asserts on it
+        print(json.dumps({"type": type(exc).__name__, "message": str(exc)}))
+        return
+    print(json.dumps({"type": None, "message": "no exception"}))
+
+
+if __name__ == "__main__":
+    main()

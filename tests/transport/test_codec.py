@@ -1,0 +1,244 @@
+"""The batch codec on its own: round trips of every supported type, views into
+the encoded buffer, and random or truncated bytes that must raise, never crash."""
+import collections
+import json
+import os
+import pickle
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import fastloader  # noqa: F401  (registers the codec hooks)
+from fastloader import _core
+from fastloader._codec_hooks import DeferredStack, CODE
+
+Point = collections.namedtuple("Point", "x y")
+
+
+class Custom:
+    def __init__(self, t, label):
+        self.t = t
+        self.label = label
+
+
+def _same(a, b):
+    assert type(a) is type(b), (type(a), type(b))
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert a.requires_grad == b.requires_grad
+        assert a.layout == b.layout
+        if a.layout != torch.strided:
+            a, b = a.to_dense(), b.to_dense()
+        assert torch.equal(a.detach(), b.detach())
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            _same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _same(x, y)
+    elif isinstance(a, Custom):
+        _same(a.t, b.t)
+        _same(a.label, b.label)
+    elif isinstance(a, float) and a != a:
+        assert b != b
+    else:
+        assert a == b
+
+
+SAMPLES = [
+    None, True, False, 0, -1, 2**63 - 1, 2**70, 1.5, float("nan"), "", "héllo \u2603",
+    "\udc80 lone surrogate", b"\x00bytes", [], (), {}, [1, "a", None],
+    {"a": torch.arange(6).reshape(2, 3), 3: (1.0, b"x"), None: [np.int64(4)]},
+    Point(torch.ones(2), "y"), [Point(1, 2), Point(3, 4)],
+    np.arange(10, dtype=np.float32).reshape(2, 5), np.zeros((0, 3)), np.array(5),
+    np.arange(12)[::2], np.float16(2.5), np.bool_(True), np.complex64(1 + 2j),
+    torch.randn(3, 4), torch.randn(4, 3).t(), torch.zeros(0), torch.tensor(7),
+    torch.randn(2, 2).to(torch.bfloat16), torch.tensor([1, 2], dtype=torch.uint16),
+    torch.randn(3, requires_grad=True), (1 + 2j) * torch.ones(2, dtype=torch.complex64).conj(),
+    torch.randn(3).to_sparse(), Custom(torch.arange(3), 9),
+    collections.OrderedDict(a=torch.ones(1)), {"nested": [[[torch.ones(1)]]]},
+    # aliasing: storage table, views, memo references, Fortran order (tests/test_aliasing.py)
+    (lambda t: {"t": t, "v": t[1:, ::2], "again": t, "i": t.view(torch.int32)})(
+        torch.arange(12.0).reshape(3, 4)),
+    (lambda lst: [lst, lst, (lst,)])([torch.ones(2), "x"]),
+    np.asfortranarray(np.arange(12.0).reshape(3, 4)), torch.ones(3).expand(2, 3),
+]
+
+
+@pytest.mark.parametrize("obj", SAMPLES, ids=[type(s).__name__ + str(i) for i, s in enumerate(SAMPLES)])
+def test_round_trip(obj):
+    _same(obj, _core.decode(_core.encode(obj)))
+
+
+def test_tensors_are_views_of_the_buffer_and_keep_it_alive():
+    batch = {"x": torch.arange(1000, dtype=torch.float64), "y": np.arange(10)}
+    out = _core.decode(_core.encode(batch))
+    x, y = out["x"], out["y"]
+    del out
+    # the array's base chain ends at the owner object, not at a private copy
+    assert y.base is not None and type(y.base).__name__ == "BatchOwner"
+    assert x.untyped_storage().nbytes() == 8000
+    x.add_(1)   # writable, as torch's batches are
+    assert torch.equal(x, torch.arange(1, 1001, dtype=torch.float64))
+
+
+def test_deferred_stack_is_stacked_into_the_buffer():
+    ts = [torch.full((2, 3), float(i)) for i in range(4)]
+    out = _core.decode(_core.encode([DeferredStack(ts, (4, 2, 3), CODE[torch.float32])]))
+    assert torch.equal(out[0], torch.stack(ts))
+
+
+def test_unpicklable_object_names_its_type():
+    with pytest.raises(Exception, match="lambda|local"):
+        _core.encode({"f": lambda: 1})
+
+
+CORRUPT = "corrupt batch encoding"
+
+
+def _blobs():
+    return [_core.encode(s) for s in SAMPLES if not isinstance(s, Custom)]
+
+
+def test_truncated_bytes_raise_value_error():
+    for blob in _blobs():
+        for cut in range(0, len(blob), max(1, len(blob) // 16)):
+            with pytest.raises(ValueError, match=CORRUPT):
+                _core.decode(blob[:cut])
+
+
+def test_random_bytes_raise_value_error():
+    rng = random.Random(1234)
+    for _ in range(500):
+        with pytest.raises(ValueError, match=CORRUPT):
+            _core.decode(bytes(rng.randrange(256) for _ in range(rng.randint(0, 300))))
+
+
+def _small(obj, limit=1 << 20):
+    """Whether `obj` can be re-encoded and compared: little to copy (a mutated shape
+    can be huge), and no sparse tensor. A sparse tensor travels as torch's own
+    pickle, which (as torch.load without check_sparse_tensor_invariants, and as
+    torch's DataLoader transport) does not validate indices: flipped bytes there
+    make a tensor whose use writes out of bounds. Batches come from our own workers."""
+    if isinstance(obj, torch.Tensor):
+        return obj.layout == torch.strided and obj.numel() <= limit
+    if isinstance(obj, np.ndarray):
+        return obj.size <= limit
+    if isinstance(obj, dict):
+        return all(_small(v, limit) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return all(_small(v, limit) for v in obj)
+    return True
+
+
+def mutation_outcomes(seed=1234, rounds=3000, crash_file=None):
+    """Flips bytes of encoded samples and decodes them: each either decodes into a
+    batch that survives its own round trip, or raises ValueError from the codec
+    itself (a UnicodeDecodeError for a str), or the element's own error from the
+    Python code the codec calls (a pickled element's unpickling, a tensor's
+    constructor). Anything else fails an assertion. Returns the counts."""
+    rng = random.Random(seed)
+    blobs = _blobs()
+    outcomes = collections.Counter()
+    for _ in range(rounds):
+        blob = bytearray(rng.choice(blobs))
+        for _ in range(rng.randint(1, 8)):
+            blob[rng.randrange(len(blob))] = rng.randrange(256)
+        if crash_file:   # the input of a crash, for the report
+            with open(crash_file, "wb") as f:
+                f.write(blob)
+        try:
+            out = _core.decode(bytes(blob))
+        except ValueError as exc:
+            if CORRUPT in str(exc) or isinstance(exc, UnicodeDecodeError):
+                outcomes["codec error"] += 1
+                continue
+            # e.g. "unsupported pickle protocol": a pickled element's own error
+            assert exc.__traceback__.tb_next is not None, f"{type(exc).__name__}: {exc}"
+            outcomes["element error"] += 1
+            continue
+        except (pickle.UnpicklingError, AttributeError, ImportError, EOFError, OverflowError,
+                RuntimeError, TypeError, KeyError, IndexError) as exc:
+            # raised in Python code the decoder called, not by the decoder itself
+            assert exc.__traceback__.tb_next is not None, f"{type(exc).__name__}: {exc}"
+            outcomes["element error"] += 1
+            continue
+        outcomes["decoded"] += 1
+        if _small(out):
+            _same(out, _core.decode(_core.encode(out)))
+    return dict(outcomes)
+
+
+def test_mutated_bytes_decode_consistently_or_raise_precisely(tmp_path):
+    # In a child interpreter: a crash in native code must fail this test with its
+    # input, not take the whole test session down.
+    crash_file = tmp_path / "input.bin"
+    code = ("import json, sys; from tests.transport.test_codec import mutation_outcomes; "
+            "print(json.dumps(mutation_outcomes(crash_file=sys.argv[1])))")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code, str(crash_file)],
+                          capture_output=True, text=True, timeout=600, cwd=root)
+    if done.returncode < 0:
+        pytest.fail(f"native crash (signal {-done.returncode}) on input "
+                    f"{crash_file.read_bytes().hex()}\n{done.stderr[-1500:]}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    outcomes = json.loads(done.stdout.strip().splitlines()[-1])
+    assert outcomes.get("codec error", 0) > 1000 and outcomes.get("decoded", 0) > 100, outcomes
+
+
+def test_storage_table_and_references_are_checked():
+    """Bytes that point a view outside its storage, or a reference at an object not yet
+    decoded, raise ValueError (never a read outside the buffer)."""
+    t = torch.arange(8.0)
+    blob = bytearray(_core.encode([t[2:4], t[2:4]]))
+    assert _core.decode(bytes(blob))[0].tolist() == [2.0, 3.0]
+    for i in range(64, len(blob)):
+        for v in (0xFF, 0x7F, 0x40):
+            bad = bytearray(blob)
+            bad[i] = v
+            try:
+                out = _core.decode(bytes(bad))
+            except (ValueError, RuntimeError, TypeError, IndexError):
+                continue
+            for x in out if isinstance(out, list) else []:
+                if isinstance(x, torch.Tensor):
+                    x.sum()   # a view that decoded must lie inside its storage
+
+
+def test_a_chain_of_memo_marks_is_refused_without_deep_recursion():
+    blob = bytearray(_core.encode([[1]]))
+    memo_tag = blob[64]                   # the outer list is marked for the memo
+    stream_len = int.from_bytes(blob[8:16], "little")
+    chain = bytes([memo_tag]) * 1_000_000 + bytes(blob[64:64 + stream_len])
+    hdr = bytearray(blob[:64])
+    hdr[8:16] = len(chain).to_bytes(8, "little")
+    data_off = (64 + len(chain) + 63) // 64 * 64
+    hdr[16:24] = data_off.to_bytes(8, "little")
+    hdr[24:32] = data_off.to_bytes(8, "little")
+    crafted = bytes(hdr) + chain + bytes(data_off - 64 - len(chain))
+    with pytest.raises(ValueError, match="corrupt"):
+        _core.decode(crafted)
+
+
+def test_a_memo_mark_before_a_reference_is_refused_and_deep_batches_still_decode():
+    # every compound node is memo-marked: the mark must not cost a nesting level
+    # (the encoder does not count it), and the marked node's tag is read once
+    deep = [1]
+    for _ in range(190):
+        deep = [deep]
+    assert _core.decode(_core.encode(deep)) == deep
+    blob = bytearray(_core.encode([[1], [1]]))
+    memo_tag = blob[64]
+    ref_at = blob.index(bytes([memo_tag]), 65)   # the inner list's mark
+    bad = bytearray(blob)
+    bad[ref_at + 1] = memo_tag                   # mark followed by a mark
+    with pytest.raises(ValueError, match="corrupt"):
+        _core.decode(bytes(bad))
