@@ -36,11 +36,16 @@ def test_strategy_names_default_and_one_validator():
 def test_loader_prefix_and_packed_names_parse_back():
     prefix = sharing.loader_prefix(4242)
     channel = f"{prefix}-w3-s0-0123456789abcdef"   # what the C core appends
-    assert sharing.parse_segment_name(channel) == ("fastloader", 4242, True)
-    assert sharing.parse_segment_name(f"{prefix}-x") == ("fastloader", 4242, False)
+    here = sharing.pid_namespace()
+    assert here is not None and len(here) == 8
+    assert sharing.parse_segment_name(channel) == ("fastloader", 4242, True, here)
+    assert sharing.parse_segment_name(f"{prefix}-x") == ("fastloader", 4242, False, here)
     assert sharing.loader_prefix(4242) != prefix   # unpredictable
     name = sharing.packed_segment_name()
-    assert sharing.parse_segment_name(name) == ("fastloader-pack", os.getpid(), False)
+    assert sharing.parse_segment_name(name) == ("fastloader-pack", os.getpid(), False, here)
+    # names made before the namespace was part of them parse, with no namespace
+    assert sharing.parse_segment_name("fastloader-4242-0123456789-w0-s0-0123456789abcdef") \
+        == ("fastloader", 4242, False, None)
     for foreign in ("torch_12_34", "fastloader-test-errors-1-w0", "other", "fastloader-"):
         assert sharing.parse_segment_name(foreign) is None
     # the doctor reads ours through the same parser and still knows torch's
