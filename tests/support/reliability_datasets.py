@@ -1,4 +1,4 @@
-"""Datasets and worker hooks for tests/test_reliability.py.
+"""Datasets and worker hooks for the failure-contract tests in tests/faults/.
 
 Module level, so that "spawn" workers unpickle them as
 ``tests.support.reliability_datasets.<name>``. Every value encodes its sample index, so a

@@ -1,0 +1,92 @@
+"""A worker's error names the batch and the indices it was building (or worker_init_fn),
+under fork and spawn, and the loader's workers are joined afterwards.
+
+(test_worker_init_fn_exception_reraised here is the fork-and-spawn twin of the one in
+test_worker_errors.py: the two modules keep their names apart.)
+
+Every wait runs under `deadline` (SIGALRM) or a subprocess timeout, and
+faulthandler_timeout (pyproject) dumps stacks if all else fails.
+"""
+import pytest
+
+from fastloader import DataLoader, WorkerError
+from tests.support import datasets as ds
+from tests.support import reliability_datasets as rd
+from tests.support.fault_helpers import (
+    CONTEXTS, QUIET_WORKER_COUNT_WARNING, _reaped_later, _strategy_for,
+)
+from tests.support.helpers import deadline
+
+pytestmark = [QUIET_WORKER_COUNT_WARNING]
+
+
+@pytest.mark.parametrize("ctx", CONTEXTS)
+def test_getitem_exception_names_batch_and_indices(ctx):
+    """Index 5 is in batch 2 ([4, 5]), which goes to worker 2 % 2 = 0."""
+    loader = DataLoader(ds.RaisingDataset(n=20, bad_index=5), batch_size=2, num_workers=2,
+                        multiprocessing_context=ctx, sharing_strategy=_strategy_for(ctx))
+    got = []
+    with deadline(60):
+        it = iter(loader)
+        pids = list(it.worker_pids)
+        with pytest.raises(ValueError) as info:
+            for batch in it:
+                got.append(batch.flatten().tolist())
+    assert type(info.value) is ValueError
+    message = str(info.value)
+    assert "in DataLoader worker process 0 (batch 2, index [4, 5])" in message, message
+    assert "Original Traceback" in message, message
+    assert 'raise ValueError(f"bad sample {index}")' in message, message
+    assert "bad sample 5" in message, message
+    assert got == [[0, 1], [2, 3]], got
+    del it, loader, info
+    _reaped_later(pids)
+
+
+@pytest.mark.parametrize("ctx", CONTEXTS)
+def test_collate_exception_names_batch_and_indices(ctx):
+    loader = DataLoader(ds.TensorLabelDataset(n=16), batch_size=4, num_workers=2,
+                        collate_fn=ds.raising_collate, multiprocessing_context=ctx,
+                        sharing_strategy=_strategy_for(ctx, 1))
+    with deadline(60), pytest.raises(LookupError) as info:
+        next(iter(loader))
+    assert type(info.value) is LookupError
+    message = str(info.value)
+    assert "in DataLoader worker process 0 (batch 0, index [0, 1, 2, 3])" in message, message
+    assert "Original Traceback" in message and "raising_collate" in message, message
+    assert 'raise LookupError(f"collate refused a batch of {len(batch)}")' in message, message
+    assert "collate refused a batch of 4" in message, message
+
+
+@pytest.mark.parametrize("ctx", CONTEXTS)
+def test_worker_init_fn_exception_reraised(ctx):
+    loader = DataLoader(ds.TensorLabelDataset(n=16), batch_size=4, num_workers=2,
+                        worker_init_fn=ds.raising_worker_init, multiprocessing_context=ctx,
+                        sharing_strategy=_strategy_for(ctx))
+    with deadline(60), pytest.raises(KeyError) as info:
+        next(iter(loader))
+    assert type(info.value) is KeyError
+    message = str(info.value)
+    # batch 0 is worker 0's: its init error is what the main process meets first
+    assert "in DataLoader worker process 0" in message, message
+    assert "worker_init_fn" in message, message
+    assert "Original Traceback" in message and "raising_worker_init" in message, message
+    assert 'raise KeyError(f"init failed in {worker_id}")' in message, message
+    assert "init failed in 0" in message, message
+
+
+@pytest.mark.parametrize("ctx", CONTEXTS)
+def test_unencodable_sample_names_type_and_indices(ctx):
+    """Sample 5 holds a generator; batch 1 is indices [4, 5, 6, 7] (worker 1)."""
+    loader = DataLoader(rd.UnpicklableDataset(n=16, bad=5), batch_size=4, num_workers=2,
+                        collate_fn=rd.list_collate, multiprocessing_context=ctx,
+                        sharing_strategy=_strategy_for(ctx))
+    got = []
+    with deadline(60), pytest.raises(Exception) as info:
+        for batch in loader:
+            got.append([s["index"] for s in batch])
+    message = str(info.value)
+    assert not isinstance(info.value, WorkerError), message
+    assert "generator" in message, message
+    assert "[4, 5, 6, 7]" in message, message
+    assert got == [[0, 1, 2, 3]], got

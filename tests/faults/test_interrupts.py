@@ -1,0 +1,150 @@
+"""A wait that ends early: timeout= exceeded (the error names the timeout) and Ctrl-C
+(KeyboardInterrupt within 1 s of a terminal's SIGINT, workers shut down, nothing on
+stderr).
+
+Every wait runs under `deadline` (SIGALRM) or a subprocess timeout, and
+faulthandler_timeout (pyproject) dumps stacks if all else fails.
+"""
+import gc
+import os
+import re
+import signal
+import threading
+import time
+
+import pytest
+
+from fastloader import DataLoader
+from tests.support import datasets as ds
+from tests.support import reliability_datasets as rd
+from tests.support.fault_helpers import (
+    CONTEXTS, LOOSE_BOUND_S, QUIET_WORKER_COUNT_WARNING, _read_line, _reaped_later, _script,
+)
+from tests.support.helpers import deadline, is_gone, is_reaped, settle, wait_until
+
+pytestmark = [QUIET_WORKER_COUNT_WARNING]
+
+CTRL_C_BOUND_S = 1.0
+
+
+def test_timeout_exceeded_names_the_timeout():
+    loader = DataLoader(ds.SleepAtDataset(at=0, seconds=3), batch_size=1, num_workers=1,
+                        timeout=1, multiprocessing_context="fork")
+    with deadline(20), pytest.raises(RuntimeError) as info:
+        next(iter(loader))
+    message = str(info.value)
+    assert re.search(r"time(d)?\s?out", message, re.IGNORECASE), message
+    assert re.search(r"\b1(\.0)?\s?(s|sec|second)", message), message
+
+
+@pytest.mark.parametrize("ctx", CONTEXTS)
+def test_timeout_names_the_timeout(ctx):
+    loader = DataLoader(rd.SleepAtIndexDataset(n=8, at=0, seconds=3), batch_size=1,
+                        num_workers=1, timeout=1.5, multiprocessing_context=ctx)
+    it = iter(loader)
+    pids = list(it.worker_pids)
+    started = time.monotonic()
+    with deadline(30), pytest.raises(RuntimeError) as info:
+        next(it)
+    elapsed = time.monotonic() - started
+    message = str(info.value)
+    assert re.search(r"time(d)?\s?out", message, re.IGNORECASE), message
+    assert "1.5" in message, message
+    assert 1.4 < elapsed < 4.0, f"timeout=1.5 raised after {elapsed:.2f} s"
+    del it, loader, info
+    _reaped_later(pids, timeout=10)
+
+
+def test_ctrl_c_while_waiting_for_a_batch():
+    # Earlier tests leave torch DataLoader iterators in reference cycles; their
+    # __del__ joins workers for seconds. If the collector ran one while our SIGINT
+    # arrived, the KeyboardInterrupt would be raised (and swallowed) inside that
+    # finalizer, not in next(): collect now and keep the collector off meanwhile.
+    gc.collect()
+    gc.disable()
+    # A test run started in the background (`make test &`) inherits SIGINT ignored,
+    # and Python then keeps it ignored: be a foreground Ctrl-C target ourselves.
+    old_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    loader = DataLoader(ds.SleepAtDataset(at=0, seconds=8), batch_size=1, num_workers=1,
+                        multiprocessing_context="fork")
+    it = iter(loader)
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+    started = time.monotonic()
+    timer.start()
+    try:
+        with deadline(30), pytest.raises(KeyboardInterrupt):
+            next(it)
+            time.sleep(0.1)  # a late KeyboardInterrupt still lands inside this block
+        elapsed = time.monotonic() - started
+    finally:
+        timer.cancel()
+        gc.enable()
+        signal.signal(signal.SIGINT, old_handler)
+    assert elapsed < LOOSE_BOUND_S, f"KeyboardInterrupt came {elapsed:.1f} s after Ctrl-C"
+    pids = list(it.worker_pids)
+    del it, loader
+    settle()
+    assert wait_until(lambda: all(is_reaped(p) for p in pids), 5)
+
+
+_CTRL_C_SCRIPT = """
+    import os, signal, sys, time
+    # Started from a background job, we inherit SIGINT ignored (and Python keeps it
+    # so): take Ctrl-C as a foreground program does.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    import psutil
+    from fastloader import DataLoader
+    from tests.support.reliability_datasets import SleepAtIndexDataset
+
+    ctx = sys.argv[1]
+    loader = DataLoader(SleepAtIndexDataset(n=40, at=1, seconds=30), batch_size=1,
+                        num_workers=2, multiprocessing_context=ctx)
+    it = iter(loader)
+    assert int(next(it)) == 0
+    pids = list(it.worker_pids)
+    print("pids", *pids, flush=True)
+    print("waiting", repr(time.monotonic()), flush=True)
+    try:
+        next(it)   # batch 1: its worker sleeps 30 s
+        print("no interrupt", flush=True)
+    except KeyboardInterrupt:
+        print("interrupted", repr(time.monotonic()), flush=True)
+    def gone(pid):
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+    end = time.monotonic() + 5
+    while not all(gone(p) for p in pids) and time.monotonic() < end:
+        time.sleep(0.02)
+    print("workers_gone", all(gone(p) for p in pids), flush=True)
+    time.sleep(0.3)   # late output from a worker would land on stderr before we exit
+"""
+
+
+@pytest.mark.parametrize("ctx", CONTEXTS)
+def test_ctrl_c_while_blocked_raises_within_1s(ctx, subprocess_env):
+    """SIGINT to the process group (what a terminal's Ctrl-C does) while the main
+    process is blocked in next(): KeyboardInterrupt within 1 s, workers shut down,
+    nothing at all on stderr (no worker traceback)."""
+    with _script(_CTRL_C_SCRIPT, subprocess_env, ctx) as proc:
+        pids = [int(p) for p in _read_line(proc, "pids ").split()]
+        waiting_since = float(_read_line(proc, "waiting "))
+        time.sleep(0.5)   # next() has long been blocked by now
+        sent = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        line = _read_line(proc, "", seconds=30)
+        assert line.startswith("interrupted "), f"got {line!r}"
+        interrupted = float(line.split()[1])
+        workers_gone = _read_line(proc, "workers_gone ", seconds=30)
+        with deadline(30, "the Ctrl-C script's exit"):
+            rest = proc.stdout.read()
+            err = proc.stderr.read()
+            proc.wait(timeout=25)
+    assert sent - waiting_since > 0.4
+    assert interrupted - sent < CTRL_C_BOUND_S, \
+        f"KeyboardInterrupt came {interrupted - sent:.2f} s after Ctrl-C"
+    assert workers_gone == "True", "workers still running 5 s after the KeyboardInterrupt"
+    assert proc.returncode == 0, (proc.returncode, rest, err)
+    assert err == "", f"output on stderr after Ctrl-C:\n{err}"
+    assert wait_until(lambda: all(is_gone(p) for p in pids), 2)

@@ -1,0 +1,83 @@
+"""Exceptions raised by user code in a worker (__getitem__, collate_fn, worker_init_fn,
+an unencodable sample) are re-raised in the main process with their own type, the
+worker's number and its original traceback.
+
+Every wait runs under `deadline` (SIGALRM) or a subprocess timeout, and
+faulthandler_timeout (pyproject) dumps stacks if all else fails.
+"""
+import re
+
+import pytest
+
+import fastloader
+from fastloader import DataLoader, FastLoaderError, WorkerError
+from tests.support import datasets as ds
+from tests.support.fault_helpers import QUIET_WORKER_COUNT_WARNING
+from tests.support.helpers import deadline
+
+pytestmark = [QUIET_WORKER_COUNT_WARNING]
+
+
+def test_exception_hierarchy():
+    assert issubclass(WorkerError, FastLoaderError)
+    assert issubclass(WorkerError, RuntimeError)
+    assert fastloader.WorkerError is WorkerError
+
+
+@pytest.mark.parametrize("ctx,nw,strategy,bad_index,worker", [
+    ("fork", 2, "file_descriptor", 5, 1),   # batch 5 goes to worker 5 % 2 (round robin)
+    ("fork", 3, "file_system", 6, 0),
+    ("spawn", 1, "file_descriptor", 3, 0),
+])
+def test_getitem_exception_reraised_with_type_and_traceback(ctx, nw, strategy, bad_index, worker):
+    loader = DataLoader(ds.RaisingDataset(bad_index=bad_index), batch_size=1, num_workers=nw,
+                        multiprocessing_context=ctx, sharing_strategy=strategy)
+    got = []
+    with deadline(60):
+        it = iter(loader)
+        with pytest.raises(ValueError) as info:
+            for batch in it:
+                got.append(int(batch))
+    assert type(info.value) is ValueError
+    message = str(info.value)
+    assert f"in DataLoader worker process {worker}" in message, message
+    assert "Original Traceback" in message, message
+    # the worker's traceback text: file, function, source line and original message
+    assert "datasets.py" in message and "__getitem__" in message, message
+    assert 'raise ValueError(f"bad sample {index}")' in message, message
+    assert f"bad sample {bad_index}" in message, message
+    assert got == list(range(bad_index)), "batches before the failing one must arrive in order"
+    del it, loader
+
+
+def test_collate_exception_reraised():
+    loader = DataLoader(ds.TensorLabelDataset(), batch_size=4, num_workers=2,
+                        collate_fn=ds.raising_collate, multiprocessing_context="fork")
+    with deadline(30), pytest.raises(LookupError) as info:
+        next(iter(loader))
+    assert type(info.value) is LookupError
+    message = str(info.value)
+    assert "in DataLoader worker process 0" in message, message
+    assert "Original Traceback" in message and "raising_collate" in message, message
+    assert "collate refused a batch of 4" in message, message
+
+
+def test_worker_init_fn_exception_reraised():
+    loader = DataLoader(ds.TensorLabelDataset(), batch_size=4, num_workers=2,
+                        worker_init_fn=ds.raising_worker_init, multiprocessing_context="fork",
+                        sharing_strategy="file_system")
+    with deadline(30), pytest.raises(KeyError) as info:
+        next(iter(loader))
+    assert type(info.value) is KeyError
+    message = str(info.value)
+    assert re.search(r"in DataLoader worker process \d", message), message
+    assert "Original Traceback" in message and "raising_worker_init" in message, message
+    assert "init failed in" in message, message
+
+
+def test_unencodable_sample_names_the_type():
+    loader = DataLoader(ds.LockDataset(), batch_size=2, num_workers=1,
+                        collate_fn=ds.list_collate, multiprocessing_context="fork")
+    with deadline(10), pytest.raises(Exception) as info:
+        next(iter(loader))
+    assert "lock" in str(info.value).lower(), str(info.value)
