@@ -47,7 +47,7 @@ test-compat: install $(CDEPS)
 		assert c.__file__.startswith('$(CURDIR)/python/'), c.__file__; \
 		print('compat venv: torch', torch.__version__, 'torchvision', \
 		torchvision.__version__, 'fastloader from', c.__file__)"
-	$(CVPY) -m pytest -q tests/clients/test_torchvision.py tests/test_conformance.py
+	$(CVPY) -m pytest -q tests/clients/test_torchvision.py tests/conformance/test_conformance.py
 
 BENCH_DEPS := $(VENV)/.bench-deps-stamp
 $(BENCH_DEPS): requirements-bench.txt $(DEPS)

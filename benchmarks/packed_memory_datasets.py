@@ -1,6 +1,6 @@
 """Datasets for the memory benchmark, in a module of their own so that spawn and
 forkserver workers unpickle them by an importable name (see benchmarks/datasets.py).
-tests/packed_datasets.py uses NamesDataset too."""
+tests/support/packed_datasets.py uses NamesDataset too."""
 
 from torch.utils.data import Dataset
 

@@ -57,7 +57,7 @@ def test_held_batches_show_in_ring_occupancy_and_worker_memory():
 
 def test_env_var_prints_one_line_per_epoch(subprocess_env):
     code = ("import fastloader\n"
-            "from tests import datasets as ds\n"
+            "from tests.support import datasets as ds\n"
             "if __name__ == '__main__':\n"
             "    dl = fastloader.DataLoader(ds.TensorLabelDataset(n=32), batch_size=4,"
             " num_workers=2, persistent_workers=True)\n"

@@ -2,7 +2,7 @@
 that crosses a channel, and the typed control messages of this layer.
 
 The numbers mirror the C core's header (csrc/protocol.h; csrc/ring.h before it)
-and must never change independently: tests/test_protocol.py compares them with
+and must never change independently: tests/transport/test_protocol.py compares them with
 the header and with the values the built module exports.
 
     main --task--> worker:   (kind, seq, payload)

@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from tests.helpers import clone_batch
+from tests.support.helpers import clone_batch
 
 
 def parse_argv():

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from tests.helpers import assert_same_batches
+from tests.support.helpers import assert_same_batches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -7,7 +7,7 @@ samples show whose workers ran."""
 import pytest
 
 from tests.clients._dropin_harness import assert_workers_were, run_script
-from tests.helpers import assert_same_batches
+from tests.support.helpers import assert_same_batches
 
 pytest.importorskip("accelerate")
 

@@ -1,8 +1,8 @@
 """share_on_node across ranks: subgroups, what a node is, and its failure modes.
 
-Each scenario starts one process per rank (tests/multinode_share.py, gloo over
+Each scenario starts one process per rank (tests/support/multinode_share.py, gloo over
 loopback); every rank writes what it got or the error it raised. The two-host
-torchrun job (network namespaces) is in tests/test_multinode_hosts.py."""
+torchrun job (network namespaces) is in tests/distributed/test_multinode_hosts.py."""
 import functools
 import json
 import os
@@ -19,7 +19,7 @@ import pytest
 from tests.support import helpers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-N = 2000   # items in the scenarios' arrays (tests/multinode_share.py)
+N = 2000   # items in the scenarios' arrays (tests/support/multinode_share.py)
 
 
 def free_port():
@@ -189,7 +189,7 @@ def test_unpicklable_partial_arguments_ask_for_a_key():
         fd._builder_name(functools.partial(build, threading.Lock()), None)
     assert fd._builder_name(functools.partial(build, threading.Lock()), "index") == "index"
     # set order differs between processes (hash randomisation): not a difference
-    code = ("import functools, fastloader.distributed as fd, tests.multinode_share as m; "
+    code = ("import functools, fastloader.distributed as fd, tests.support.multinode_share as m; "
             "print(fd._builder_name(functools.partial(m.build, {f's{i}' for i in range(50)}),"
             " None))")
     names = set()

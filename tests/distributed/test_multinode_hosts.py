@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SUBNET = "10.213.77"   # private, and only ever configured inside the two namespaces
 IFNAME = "mnet0"
 RDZV_PORT = 29477
-STEPS_PER_EPOCH, EPOCHS, WORLD = 4, 2, 4   # tests/multinode_train.py
+STEPS_PER_EPOCH, EPOCHS, WORLD = 4, 2, 4   # tests/support/multinode_train.py
 KILL_AFTER = 5
 
 
@@ -294,7 +294,7 @@ def test_elastic_restart_resumes_exactly(jobs):
 def test_started_tree_dies_with_the_test_process():
     """A tree started like torchrun's (own session) is SIGKILLed when the process
     that started it is SIGKILLed (pytest killed by CI's timeout)."""
-    code = ("import sys; from tests.test_multinode_hosts import start_tree; "
+    code = ("import sys; from tests.distributed.test_multinode_hosts import start_tree; "
             "import subprocess as s; p = start_tree(['sleep', '600'], stdout=s.DEVNULL); "
             "print(p.pid, flush=True); sys.stdin.read()")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "python"), ROOT]))

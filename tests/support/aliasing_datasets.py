@@ -1,4 +1,4 @@
-"""Batches whose tensors and arrays alias each other, for tests/test_aliasing.py.
+"""Batches whose tensors and arrays alias each other, for tests/transport/test_aliasing.py.
 
 Module level, so that spawned workers find them as ``tests.support.aliasing_datasets.<name>``.
 The loaders run with batch_size=1 and ``case_collate``: sample i builds the batch of

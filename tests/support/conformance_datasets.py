@@ -1,4 +1,4 @@
-"""Datasets, samplers and worker functions for tests/test_conformance.py.
+"""Datasets, samplers and worker functions for tests/conformance/test_conformance.py.
 
 Module level, so that workers started with "spawn" or "forkserver" can unpickle
 them as ``tests.support.conformance_datasets.<name>``. Cheap to import (torch, numpy).

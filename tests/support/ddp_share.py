@@ -1,4 +1,4 @@
-"""Run by tests/test_distributed.py under torchrun: every local rank gets the same
+"""Run by tests/distributed/test_distributed.py under torchrun: every local rank gets the same
 2-rank-node PackedStringArray either shared (one segment per node, built by the
 first local rank) or built by each rank, reads all of it, and reports the PSS of
 the array's mapping read from /proc/self/smaps."""

@@ -1,4 +1,4 @@
-"""Run by tests/test_distributed.py under `torchrun --nproc_per_node=2`: trains a
+"""Run by tests/distributed/test_distributed.py under `torchrun --nproc_per_node=2`: trains a
 tiny model with DistributedDataParallel (gloo, CPU) for two epochs, with
 fastloader's or torch's DataLoader, and writes each rank's sample ids and losses."""
 import json

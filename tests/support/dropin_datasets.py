@@ -1,4 +1,4 @@
-"""Datasets for tests/test_dropin.py, importable by spawned workers."""
+"""Datasets for tests/conformance/test_dropin.py, importable by spawned workers."""
 import os
 
 import numpy as np

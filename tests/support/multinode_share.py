@@ -1,4 +1,4 @@
-"""One rank of a share_on_node scenario, started by tests/test_multinode.py (one
+"""One rank of a share_on_node scenario, started by tests/distributed/test_multinode.py (one
 process per rank, gloo on loopback, env:// rendezvous):
 
     python -m tests.support.multinode_share SCENARIO RANK WORLD OUT_DIR [TAG]

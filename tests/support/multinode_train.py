@@ -1,4 +1,4 @@
-"""One rank of the two-host job of tests/test_multinode_hosts.py, started by
+"""One rank of the two-host job of tests/distributed/test_multinode_hosts.py, started by
 `torchrun --nnodes=2 --nproc_per_node=2` in each host's namespaces:
 
     python -m tests.support.multinode_train MODE OUT_DIR

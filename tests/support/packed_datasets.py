@@ -1,4 +1,4 @@
-"""Datasets for tests/test_packed.py, at module level so that spawn and forkserver
+"""Datasets for tests/packed/test_packed.py, at module level so that spawn and forkserver
 workers can unpickle them as ``tests.support.packed_datasets.<name>``."""
 import os
 

@@ -1,7 +1,7 @@
 """Scribble over the rings' layout fields in a live loader's control block, then
 read on: fastloader must carry on with the geometry it checked when it attached
 (or raise), never index shared memory with the new values. Run as a child process
-by tests/test_ring_geometry.py, so that an out-of-bounds access kills only this
+by tests/transport/test_ring_geometry.py, so that an out-of-bounds access kills only this
 process. Prints one JSON line: the values of the batches read, or the error.
 
     python -m tests.support.ring_geometry_child"""

@@ -1,6 +1,6 @@
 """Run one out-of-shared-memory scenario in a private mount namespace whose /dev/shm
 is a small tmpfs (or, for memfd segments, under a small RLIMIT_FSIZE), and print
-one JSON line: what the scenario raised. Used by tests/test_shm_limits.py, which
+one JSON line: what the scenario raised. Used by tests/transport/test_shm_limits.py, which
 runs this as a child process so that a SIGBUS kills only the child (and shows as
 its exit status) and the mounts never reach the test process.
 

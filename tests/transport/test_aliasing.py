@@ -1,7 +1,7 @@
 """Aliasing within a batch: fastloader delivers what torch's DataLoader with workers
 delivers (its pickling transport), batch by batch, and copies no byte to do it.
 
-For every case of tests/aliasing_datasets.py, torch's loader and fastloader's run
+For every case of tests/support/aliasing_datasets.py, torch's loader and fastloader's run
 with num_workers=2 under the same start method and sharing strategy, and each
 batch is reduced to a structural description: the identity graph (which positions
 hold the same object), which tensors share a storage (StorageImpl and data_ptr),

@@ -65,7 +65,7 @@ SAMPLES = [
     torch.randn(3, requires_grad=True), (1 + 2j) * torch.ones(2, dtype=torch.complex64).conj(),
     torch.randn(3).to_sparse(), Custom(torch.arange(3), 9),
     collections.OrderedDict(a=torch.ones(1)), {"nested": [[[torch.ones(1)]]]},
-    # aliasing: storage table, views, memo references, Fortran order (tests/test_aliasing.py)
+    # aliasing: storage table, views, memo references, Fortran order (tests/transport/test_aliasing.py)
     (lambda t: {"t": t, "v": t[1:, ::2], "again": t, "i": t.view(torch.int32)})(
         torch.arange(12.0).reshape(3, 4)),
     (lambda lst: [lst, lst, (lst,)])([torch.ones(2), "x"]),

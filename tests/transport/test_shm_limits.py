@@ -24,7 +24,7 @@ STRATEGIES = ["file_system", "file_descriptor"]
 # ---- out of shared memory: every segment kind, both strategies ----------------------
 
 def run_scenario(name, strategy):
-    """Run tests/shm_limits_child.py in its own process (its own mount namespace with
+    """Run tests/support/shm_limits_child.py in its own process (its own mount namespace with
     a 4 MiB /dev/shm); returns the JSON line it printed."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [p for p in (os.environ.get("PYTHONPATH"), os.path.join(ROOT, "python"), ROOT) if p]))
