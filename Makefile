@@ -6,7 +6,7 @@ VPY    := $(VENV)/bin/python
 DEPS   := $(VENV)/.deps-stamp
 CFLAGS_STRICT := FASTLOADER_WERROR=1
 
-.PHONY: all install test test-compat bench test-asan leakcheck clean
+.PHONY: all install test test-compat bench bench-ffcv test-asan leakcheck clean
 
 all: test
 
@@ -58,6 +58,33 @@ $(BENCH_DEPS): requirements-bench.txt $(DEPS)
 # run, the budget table, and PNG charts in benchmarks/results/.
 bench: install $(BENCH_DEPS)
 	$(VPY) -m benchmarks.run
+
+# FFCV 1.0.2 beside torch and fastloader (benchmarks/ffcv_peer.py), in its own venv:
+# FFCV builds from its sdist against OpenCV and libturbojpeg and pulls in numba, none of
+# which `make test` or `make bench` may need. The Debian packages are installed when
+# pkg-config cannot find them (as root, like .ci/run does for iproute2). fastloader goes
+# in editable, without .venv: the in-place _core .so it builds is tied to CPython 3.11
+# and NumPy 2's C API only, the same as `install` builds, so either venv loads it.
+FVENV := .venv-ffcv
+FVPY  := $(FVENV)/bin/python
+FDEPS := $(FVENV)/.deps-stamp
+FFCV_APT := libopencv-dev libturbojpeg0-dev pkg-config
+FFCV_ARGS ?= --json benchmarks/results/ffcv.json
+$(FDEPS): requirements-ffcv.txt requirements-dev.txt
+	command -v pkg-config >/dev/null 2>&1 && pkg-config --exists opencv4 libturbojpeg \
+		|| (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+			apt-get install -y -qq $(FFCV_APT) >/dev/null)
+	test -x $(FVPY) || $(PYTHON) -m venv $(FVENV)
+	$(FVPY) -m pip install -q --disable-pip-version-check \
+		-r requirements-dev.txt -r requirements-ffcv.txt
+	touch $@
+
+# Like `install`, fastloader is rebuilt (-Werror) on every run; `make bench-ffcv
+# FFCV_ARGS=--quick` for a smoke run.
+bench-ffcv: $(FDEPS)
+	$(CFLAGS_STRICT) $(FVPY) -m pip install -q --disable-pip-version-check \
+		--no-build-isolation --no-deps -e .
+	$(FVPY) -m benchmarks.ffcv_peer $(FFCV_ARGS)
 
 # AddressSanitizer + UBSan build of the C core, run against the whole test suite.
 # It is built into build/asan (a copy of the package that PYTHONPATH puts first,
