@@ -21,9 +21,11 @@ Method (see also benchmarks/README.md): 2 workers (FFCV: num_workers=2
 threads), batch 64, drop_last, sequential order (FFCV: OrderOption.SEQUENTIAL,
 os_cache=True), fork. Each loader is built once per workload (torch and
 fastloader with persistent workers; FFCV's Loader compiles its pipeline on the
-first epoch) and gets one untimed epoch; then every repeat times one epoch of
-each loader, in an order that flips every repeat, with the harness's
-``time_one_epoch`` (first batches of each epoch untimed, every batch read).
+first epoch) and gets one untimed epoch; then every repeat runs each loader
+once, in an order that flips every repeat; a run is one or a few epochs back
+to back (tiny 3, image 6: FFCV and fastloader get through one in a fraction of
+a second), each timed with the harness's ``time_one_epoch`` (first batches of
+each epoch untimed, every batch read) and added up.
 Ratios are to torch within the same repeat, median over repeats. CPU
 us/sample is the CPU time of the main process (all its threads: FFCV's work is
 there) plus the worker processes, over the timed window, per sample.
@@ -53,6 +55,7 @@ import torch.utils.data
 from benchmarks import datasets
 from benchmarks.jpeg_dataset import JpegDataset
 from benchmarks.harness import (
+    RunResult,
     Stats,
     json_record,
     markdown_table,
@@ -79,13 +82,19 @@ class Workload:
     timed_batches: int
     quick_timed_batches: int
     exact: bool  # whether every loader must deliver bit-identical data
+    # Epochs timed back to back per run, so that even the fastest loader's
+    # timed window lasts long enough (~0.5-1 s) to average out scheduler noise.
+    epochs_per_run: int = 1
+    quick_epochs_per_run: int = 1
 
 
 WORKLOADS = {
     w.name: w
     for w in (
-        Workload("tiny", "16 float32 + int label", datasets.TinyDataset, 2500, 800, True),
-        Workload("image", "uint8 3x224x224 + int label", datasets.ImageDataset, 150, 60, True),
+        Workload("tiny", "16 float32 + int label", datasets.TinyDataset, 2500, 800, True,
+                 epochs_per_run=3, quick_epochs_per_run=2),
+        Workload("image", "uint8 3x224x224 + int label", datasets.ImageDataset, 150, 60, True,
+                 epochs_per_run=6, quick_epochs_per_run=4),
         Workload("jpeg", "JPEG 400x320 decode + random resized crop to 224x224 HWC uint8 + int label",
                  JpegDataset, 40, 12, False),
     )
@@ -172,6 +181,23 @@ def cpu_us_per_sample(result):
     return cpu / result.timed_samples * 1e6
 
 
+def time_epochs(loader, warmup, epochs):
+    """``epochs`` epochs of ``time_one_epoch``, added up into one result (each
+    epoch's first ``warmup`` batches stay untimed)."""
+    results = [time_one_epoch(loader, warmup) for _ in range(epochs)]
+    workers = [r.workers_cpu_s for r in results]
+    return RunResult(
+        first_batch_s=results[0].first_batch_s,
+        timed_s=sum(r.timed_s for r in results),
+        timed_batches=sum(r.timed_batches for r in results),
+        timed_samples=sum(r.timed_samples for r in results),
+        timed_bytes=sum(r.timed_bytes for r in results),
+        main_cpu_s=sum(r.main_cpu_s for r in results),
+        checksum=sum(r.checksum for r in results),
+        workers_cpu_s=None if None in workers else sum(workers),
+    )
+
+
 def labels_and_shapes(loader, batches):
     """What the data check compares when the pixels cannot be: the labels of
     the first ``batches`` batches, in order, and the shape and dtype of the data."""
@@ -198,12 +224,15 @@ class WorkloadResult:
     data_check: str
     beton_write_s: float
     beton_mib: float
+    epochs_per_run: int
+    timed_batches: int  # per epoch
     runs: dict
 
 
 def benchmark_workload(workload, args, fastloader_cls, tmpdir):
     warmup = warmup_batches(args.num_workers)
     timed = workload.quick_timed_batches if args.quick else workload.timed_batches
+    epochs = workload.quick_epochs_per_run if args.quick else workload.epochs_per_run
     dataset = workload.make_dataset((warmup + timed) * args.batch_size)
 
     path = os.path.join(tmpdir, f"{workload.name}.beton")
@@ -236,7 +265,7 @@ def benchmark_workload(workload, args, fastloader_cls, tmpdir):
     runs = {name: [] for name in LOADERS}
     for repeat in range(args.repeats):
         for name in (LOADERS if repeat % 2 == 0 else LOADERS[::-1]):
-            result = time_one_epoch(loaders[name], warmup)
+            result = time_epochs(loaders[name], warmup, epochs)
             runs[name].append(result)
             if args.verbose:
                 progress(f"  {workload.name} repeat {repeat + 1}/{args.repeats} {name:<10} "
@@ -281,6 +310,8 @@ def benchmark_workload(workload, args, fastloader_cls, tmpdir):
         data_check=data_check,
         beton_write_s=write_s,
         beton_mib=beton_mib,
+        epochs_per_run=epochs,
+        timed_batches=timed,
         runs=runs,
     )
 
@@ -293,7 +324,7 @@ def _stats_text(stats, digits=0):
 
 def render_report(results, args):
     headers = ["workload", "loader", "samples/s median (min-max)", "ratio to torch (per-repeat min-max)",
-               "CPU us/sample (main + workers)", "data"]
+               "CPU us/sample (main + workers)", "of which workers", "data"]
     rows = []
     for result in results:
         for name in LOADERS:
@@ -305,6 +336,8 @@ def render_report(results, args):
                 "1.00x" if name == TORCH else
                 f"{ratio.median:.2f}x ({ratio.low:.2f}-{ratio.high:.2f})",
                 f"{result.cpu_us_per_sample[name].median:,.1f}",
+                "-" if result.workers_cpu_us_per_sample[name] is None
+                else f"{result.workers_cpu_us_per_sample[name].median:,.1f}",
                 result.data_check if name == TORCH else "",
             ])
     notes = [
@@ -312,18 +345,21 @@ def render_report(results, args):
         f"{args.repeats} repeats, loader order flipped every repeat; {args.num_workers} workers "
         f"(FFCV: {args.num_workers} threads), batch {args.batch_size}, drop_last, sequential order, "
         f"{args.context} ({'quick' if args.quick else 'full'} run). Each loader built once per "
-        "workload (persistent workers; FFCV os_cache=True) and given one untimed epoch; "
+        "workload (persistent workers; FFCV os_cache=True) and given one untimed epoch; a run "
+        "times one or more epochs back to back (see below), "
         f"{warmup_batches(args.num_workers)} untimed batches at the start of every epoch.",
         "Ratio: loader / torch within each repeat, median (range). CPU us/sample: CPU time of the "
         "main process (all threads: FFCV's pipeline runs there) plus the workers over the timed "
-        "window, per sample, median.",
+        "window, per sample, median; \"of which workers\": the worker processes alone (FFCV has "
+        "none: its threads count as the main process).",
     ]
     for result in results:
-        notes.append(f"{result.workload.name}: {result.workload.description}; .beton "
+        notes.append(f"{result.workload.name}: {result.workload.description}; "
+                     f"{result.epochs_per_run} epoch(s) of {result.timed_batches} timed batches per run; .beton "
                      f"{result.beton_mib:,.1f} MiB, written in {result.beton_write_s:.1f} s (untimed).")
         if not result.data_agrees:
             notes.append(f"WARNING: {result.workload.name}: the loaders delivered different data.")
-    return markdown_table(headers, rows, align="llrrrl") + "\n" + "\n".join(notes)
+    return markdown_table(headers, rows, align="llrrrrl") + "\n" + "\n".join(notes)
 
 
 def environment(fastloader_module):
@@ -357,6 +393,8 @@ def to_json(results, args, fastloader_module):
                 "data_check": r.data_check,
                 "beton_mib": r.beton_mib,
                 "beton_write_s": r.beton_write_s,
+                "epochs_per_run": r.epochs_per_run,
+                "timed_batches_per_epoch": r.timed_batches,
                 "value": {name: asdict(stats) for name, stats in r.samples_per_s.items()},
                 "ratio_to_torch": {name: asdict(stats) for name, stats in r.ratio_to_torch.items()},
                 "cpu_us_per_sample": {name: asdict(s) for name, s in r.cpu_us_per_sample.items()},
