@@ -267,6 +267,9 @@ def benchmark_workload(workload, args, fastloader_cls, tmpdir):
         for name in (LOADERS if repeat % 2 == 0 else LOADERS[::-1]):
             result = time_epochs(loaders[name], warmup, epochs)
             runs[name].append(result)
+            if name != FFCV and result.workers_cpu_s is None:
+                # cpu_us_per_sample would then count the main process only
+                progress(f"  warning: {workload.name}: {name}'s worker CPU time could not be read")
             if args.verbose:
                 progress(f"  {workload.name} repeat {repeat + 1}/{args.repeats} {name:<10} "
                          f"{result.samples_per_s:>12,.0f} samples/s, "
