@@ -19,10 +19,15 @@ from ._codec_hooks import CODE, GATHER, DeferredStack, exportable
 from .collate import slot_collate
 
 _COL_INT64 = 1   # _core.column_kind(): exact ints that fit int64
+# dtypes index_select implements on CPU (not, e.g., the unsigned 16/32/64-bit ones)
+_GATHER_DTYPES = frozenset((
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
+    torch.complex128))
 
 
 def _gatherable(t):
-    return (exportable(t) and t.dim() >= 1 and not t.requires_grad and not t.is_conj()
+    return (exportable(t) and t.dtype in _GATHER_DTYPES and t.dim() >= 1 and not t.requires_grad and not t.is_conj()
             and not t.is_neg())
 
 

@@ -77,6 +77,11 @@ class CollatedSamples(collections.abc.Sequence):
     __slots__ = ("_batch", "_len")
 
     def __init__(self, batch):
+        if isinstance(batch, (torch.Tensor, np.ndarray)):
+            # torch's default_collate hands a batch of tensors to torch.stack, which
+            # takes only a real list or tuple: put the tensor in a tuple instead
+            raise TypeError("CollatedSamples: wrap a lone tensor or array in a tuple, "
+                            "e.g. CollatedSamples((features,))")
         self._len = _leading_length(batch)
         self._batch = batch
 
