@@ -14,6 +14,8 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import Dataset
 
+from fastloader import CollatedSamples   # TinyBatchedDataset's batch (torch reads it too)
+
 _SEED = 1234
 
 
@@ -161,8 +163,7 @@ class TinyBatchedDataset(TinyDataset):
         self.labels = torch.arange(length) % 10
 
     def __getitems__(self, indices):
-        from fastloader import CollatedSamples   # fastloader-only pattern; torch reads it too
-
         # through NumPy: torch.as_tensor(list) parses the list item by item, ~4x slower
         index = torch.from_numpy(np.asarray(indices, dtype=np.int64))
-        return CollatedSamples((self.features[index], self.labels[index]))
+        return CollatedSamples((self.features.index_select(0, index),
+                                 self.labels.index_select(0, index)))

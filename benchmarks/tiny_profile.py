@@ -30,7 +30,8 @@ def _proc_cpu(pid):
 
 
 def _cpu(pids):
-    return time.process_time() + sum(_proc_cpu(p) for p in pids)
+    """(main process CPU s, workers' CPU s)"""
+    return time.process_time(), sum(_proc_cpu(p) for p in pids)
 
 
 def _epoch(loader, it_holder):
@@ -46,10 +47,10 @@ def _measure(loader):
     holder = [None]
     _epoch(loader, holder)                      # start the workers, warm up
     pids = [w.pid for w in holder[0]._workers]
-    c0, t0 = _cpu(pids), time.perf_counter()
+    (m0, w0), t0 = _cpu(pids), time.perf_counter()
     n = _epoch(loader, holder)
-    t1, c1 = time.perf_counter(), _cpu(pids)
-    return n / (t1 - t0), (c1 - c0) / n * 1e6
+    t1, (m1, w1) = time.perf_counter(), _cpu(pids)
+    return n / (t1 - t0), (m1 - m0) / n * 1e6, (w1 - w0) / n * 1e6
 
 
 def main(argv=None):
@@ -66,15 +67,15 @@ def main(argv=None):
             for lname, cls in kinds.items():
                 loader = cls(ds, batch_size=64, num_workers=2, persistent_workers=True,
                              multiprocessing_context="fork")
-                rate, cpu = _measure(loader)
-                results.setdefault((dname, lname), []).append((rate, cpu))
+                results.setdefault((dname, lname), []).append(_measure(loader))
                 del loader
-    base = statistics.median(r for r, _ in results[("tiny", "torch")])
-    print(f"{'dataset':14} {'loader':11} {'samples/s':>11} {'x torch':>8} {'CPU us/sample':>14}")
+    base = statistics.median(r[0] for r in results[("tiny", "torch")])
+    print(f"{'dataset':14} {'loader':11} {'samples/s':>11} {'x torch':>8} "
+          f"{'CPU us/sample: main':>20} {'workers':>8} {'total':>6}")
     for (dname, lname), runs in results.items():
-        rate = statistics.median(r for r, _ in runs)
-        cpu = statistics.median(c for _, c in runs)
-        print(f"{dname:14} {lname:11} {rate:11,.0f} {rate / base:8.2f} {cpu:14.2f}")
+        rate, main_cpu, worker_cpu = (statistics.median(r[k] for r in runs) for k in range(3))
+        print(f"{dname:14} {lname:11} {rate:11,.0f} {rate / base:8.2f} "
+              f"{main_cpu:20.2f} {worker_cpu:8.2f} {main_cpu + worker_cpu:6.2f}")
 
 
 if __name__ == "__main__":

@@ -20,8 +20,38 @@ def _is_namedtuple(obj):
     return isinstance(obj, tuple) and hasattr(type(obj), "_fields")
 
 
-def _leading_length(structure, path="batch"):
-    """The batch size all leaves agree on; TypeError/ValueError if they do not."""
+_LEAF_TYPES = (torch.Tensor, np.ndarray)
+
+
+def _leading_length(structure):
+    """The batch size all leaves agree on; TypeError/ValueError if they do not.
+    Called once per batch: a walk with no per-node strings, and only when it finds
+    a problem the walk below that names where it is."""
+    stack, n = [structure], None
+    while stack:
+        node = stack.pop()
+        if isinstance(node, _LEAF_TYPES):
+            if node.ndim == 0:
+                break
+            m = len(node)
+            if n is None:
+                n = m
+            elif m != n:
+                break
+        elif type(node) is dict:
+            stack.extend(node.values())
+        elif type(node) in (tuple, list) or _is_namedtuple(node):
+            stack.extend(node)
+        else:
+            break
+    else:
+        if n is not None:
+            return n
+    return _explain(structure)
+
+
+def _explain(structure, path="batch"):
+    """Raise the error that says what is wrong with `structure`, and where."""
     lengths = []
 
     def walk(node, where):
