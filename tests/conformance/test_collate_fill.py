@@ -230,3 +230,10 @@ def test_tensor_dataset_out_of_range_raises_torchs_error():
 
 def test_tensor_dataset_negative_index_same_as_torch():
     both(_tensor_dataset(), batch_sampler=[[-1, 0, -37]], batch_size=1, **WORKERS)
+
+
+def test_batch_sampler_with_batch_size_none_same_as_torch():
+    # the torch-native pattern of the README: the dataset's __getitem__ takes a list
+    sampler = torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(range(45)), 8,
+                                            drop_last=False)
+    both(cd.BatchedDataset("nested", batched=False), batch_size=None, sampler=sampler, **WORKERS)
