@@ -4,6 +4,7 @@
 #define PY_ARRAY_UNIQUE_SYMBOL fastloader_ARRAY_API
 #include "objects.h"
 #include "codec.h"
+#include "collate_fill.h"
 #include "packed.h"
 #include "protocol.h"
 #include <numpy/arrayobject.h>
@@ -62,6 +63,7 @@ module_exec(PyObject *m)
         fl_worker_channel_init(m, st) < 0 ||  /* WorkerChannel */
         fl_recv_init(m) < 0 ||                /* recv() */
         fl_codec_init(m) < 0 ||               /* set_hooks(), encode(), decode() ... */
+        fl_collate_fill_init(m) < 0 ||        /* column_kind(), fill_column() */
         fl_packed_init(m) < 0)                /* Packed*, packed_scan(), PACKED_* */
         return -1;
     return 0;

@@ -7,6 +7,7 @@ __version__ = "0.1.0"   # the only place the version is written (pyproject reads
 try:
     from . import _codec_hooks  # noqa: F401  (registers the codec with the C core)
     from ._core import FastLoaderError, WorkerError
+    from .collated import CollatedSamples
     from .dataloader import DataLoader
     from .install import FastLoaderWarning, install, installed, uninstall
     from .metadata_warning import HeavyMetadataWarning
@@ -25,6 +26,6 @@ except ImportError as _exc:   # pragma: no cover - a broken build
                           f"({_CORE_IMPORT_ERROR}); reinstall with `pip install .` or run "
                           "`python -m fastloader doctor`") from _CORE_IMPORT_ERROR
 
-__all__ = ["DataLoader", "FastLoaderError", "WorkerError", "PackedStringArray",
+__all__ = ["DataLoader", "CollatedSamples", "FastLoaderError", "WorkerError", "PackedStringArray",
            "PackedArray", "PackedFormatError", "PackedImageFolder", "HeavyMetadataWarning",
            "FastLoaderWarning", "install", "uninstall", "installed", "__version__"]

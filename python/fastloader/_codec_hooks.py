@@ -119,16 +119,25 @@ def to_tensor(arr, code, requires_grad, offset=None, size=None, stride=None):
     return t
 
 
+# How a deferred stack fills its slot memory (DeferredStack.how)
+STACK = 0    # tensors: a list of same-shape tensors -> torch.stack(out=slot)
+COLUMN = 1   # tensors: numbers or same-shape ndarrays -> _core.fill_column (C)
+COPY = 2     # tensors: one tensor, already collated -> slot.copy_(it)
+GATHER = 3   # tensors: (source tensor, int64 index tensor) -> index_select(out=slot)
+
+
 class DeferredStack:
     """What the worker-side collate returns instead of torch.stack(batch): the
-    encoder sizes the slot from shape and dtype, then stacks straight into it."""
+    encoder sizes the slot from shape and dtype, then fills it straight in place
+    (see `how`), so no temporary batch tensor is made."""
 
-    __slots__ = ("tensors", "shape", "code")
+    __slots__ = ("tensors", "shape", "code", "how")
 
-    def __init__(self, tensors, shape, code):
+    def __init__(self, tensors, shape, code, how=STACK):
         self.tensors = tensors
         self.shape = shape
         self.code = code
+        self.how = how
 
 
 def plan_stack(s):
@@ -136,11 +145,21 @@ def plan_stack(s):
 
 
 def fill_stack(s, dest):
+    how = s.how
+    if how == COLUMN:
+        _core.fill_column(s.tensors, dest)
+        return
     out = torch.from_numpy(dest.view(np.dtype(f"i{dest.dtype.itemsize}"))
                            if dest.dtype.kind == "u" and _NEEDS_VIEW[s.code] else dest)
     if _NEEDS_VIEW[s.code]:
         out = out.view(DTYPES[s.code])
-    torch.stack(s.tensors, 0, out=out)
+    if how == STACK:
+        torch.stack(s.tensors, 0, out=out)
+    elif how == COPY:
+        out.copy_(s.tensors)
+    else:
+        source, index = s.tensors
+        torch.index_select(source, 0, index, out=out)
 
 
 class _OutOfBandPickler(pickle.Pickler):

@@ -1,12 +1,30 @@
-"""Worker-side collate: torch's default_collate, except that tensors are not
-stacked into a fresh shared-memory tensor (as torch does in workers) but deferred,
-so the encoder stacks them straight into the ring slot: one copy, not two."""
+"""Worker-side collate: torch's default_collate, except that nothing is stacked into
+a fresh tensor (as torch does in workers): each column is deferred, and the encoder
+fills it straight into the ring slot. One copy, not two, and for numbers and NumPy
+arrays no torch call at all (a C fill, csrc/collate_fill.c)."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch.utils.data._utils import collate as _tc
 
-from ._codec_hooks import CODE, DeferredStack, exportable
+from . import _core
+from ._codec_hooks import CODE, COLUMN, COPY, DeferredStack, exportable
+from .collated import CollatedSamples, _is_namedtuple
+
+# _core.column_kind() results (csrc/collate_fill.h)
+_COL_OTHER, _COL_INT64, _COL_FLOAT64, _COL_BOOL, _COL_ARRAY = range(5)
+_NUMBER_CODE = {_COL_INT64: CODE[torch.int64], _COL_FLOAT64: CODE[torch.float64],
+                _COL_BOOL: CODE[torch.bool]}
+# NumPy dtype -> dtype code of the tensor default_collate makes of it. Only dtypes
+# whose every route through default_collate is known (a 1-D column of uint32/uint64
+# goes through NumPy scalars, which torch.as_tensor refuses) are listed; the rest
+# take torch's path and get torch's result or error.
+_ARRAY_CODE = {np.dtype(n): CODE[t] for n, t in (
+    (np.bool_, torch.bool), (np.int8, torch.int8), (np.uint8, torch.uint8),
+    (np.int16, torch.int16), (np.int32, torch.int32), (np.int64, torch.int64),
+    (np.float16, torch.float16), (np.float32, torch.float32), (np.float64, torch.float64),
+    (np.complex64, torch.complex64), (np.complex128, torch.complex128))}
 
 
 def _stack_into_slot(batch, *, collate_fn_map=None):
@@ -22,12 +40,72 @@ def _stack_into_slot(batch, *, collate_fn_map=None):
     return _tc.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
 
 
+def _column_into_slot(torch_fn):
+    """Numbers and same-shape arrays: filled by C when the result is certain, else
+    torch's own function for that type (its result, its errors)."""
+    def collate_column(batch, *, collate_fn_map=None):
+        kind = _core.column_kind(batch)
+        if kind == _COL_ARRAY:
+            elem = batch[0]
+            code = _ARRAY_CODE.get(elem.dtype)
+            if code is not None:
+                return DeferredStack(batch, (len(batch), *elem.shape), code, COLUMN)
+        elif kind != _COL_OTHER:
+            return DeferredStack(batch, (len(batch),), _NUMBER_CODE[kind], COLUMN)
+        return torch_fn(batch, collate_fn_map=collate_fn_map)
+    collate_column.__name__ = f"{torch_fn.__name__}_into_slot"
+    return collate_column
+
+
 _SLOT_COLLATE_MAP = dict(_tc.default_collate_fn_map)
 _SLOT_COLLATE_MAP[torch.Tensor] = _stack_into_slot
+for _type in (np.ndarray, float, int):
+    if _type in _SLOT_COLLATE_MAP:
+        _SLOT_COLLATE_MAP[_type] = _column_into_slot(_SLOT_COLLATE_MAP[_type])
+
+
+# -- a batch that came collated (CollatedSamples) ---------------------------------
+def _collated_leaf(node):
+    """A tensor or array of the collated structure -> its deferred copy, or None
+    when default_collate over its rows might not give back exactly these values."""
+    if type(node) is np.ndarray:
+        code = _ARRAY_CODE.get(node.dtype)
+        if code is None or not node.dtype.isnative:
+            return None
+        # one "sample" the size of the whole column: fill_column copies it, strided or not
+        return DeferredStack([node], node.shape, code, COLUMN)
+    if (exportable(node) and not node.requires_grad and not node.is_conj()
+            and not node.is_neg()):
+        return DeferredStack(node, tuple(node.shape), CODE[node.dtype], COPY)
+    return None
+
+
+def _collated_structure(node):
+    """The structure default_collate returns for the rows of `node` (tuples become
+    lists, as torch makes them), with deferred copies as leaves; None if any leaf
+    needs torch's path."""
+    if type(node) is dict:
+        out = {}
+        for key, value in node.items():
+            out[key] = _collated_structure(value)
+            if out[key] is None:
+                return None
+        return out
+    if type(node) in (tuple, list) or _is_namedtuple(node):
+        parts = [_collated_structure(value) for value in node]
+        if any(part is None for part in parts):
+            return None
+        return type(node)(*parts) if _is_namedtuple(node) else parts
+    return _collated_leaf(node)
 
 
 def slot_collate(batch):
-    """Same result as torch.utils.data.default_collate, stacked into the slot."""
+    """Same result as torch.utils.data.default_collate, filled into the slot."""
+    if type(batch) is CollatedSamples and len(batch):
+        structure = _collated_structure(batch.batch)
+        if structure is not None:
+            return structure
+        # a leaf torch must handle (requires_grad, a subclass...): the samples
     return _tc.collate(batch, collate_fn_map=_SLOT_COLLATE_MAP)
 
 

@@ -17,6 +17,7 @@ from . import _codec_hooks  # noqa: F401  (registers the codec hooks in this pro
 from . import _core
 from . import payload as _payload
 from . import resume as _resume
+from .batch_fetch import with_batch_fetch
 from .collate import worker_collate
 from .protocol import (
     RES_BATCH, RES_BATCH_SNAP, RES_ERROR, RES_ITER_END, RES_RESUMED, TASK_CONTROL, TASK_PICKLE,
@@ -194,9 +195,13 @@ class _Loop:
 
     def _new_fetcher(self):
         spec = self.spec
-        self.fetcher = _DatasetKind.create_fetcher(spec.dataset_kind, self.dataset,
-                                                   spec.auto_collation, self.collate_fn,
-                                                   spec.drop_last)
+        fetcher = _DatasetKind.create_fetcher(spec.dataset_kind, self.dataset,
+                                              spec.auto_collation, self.collate_fn,
+                                              spec.drop_last)
+        if spec.dataset_kind == _DatasetKind.Map:
+            fetcher = with_batch_fetch(fetcher, self.dataset, spec.auto_collation,
+                                       self.collate_fn)
+        self.fetcher = fetcher
 
     # -- dispatch ------------------------------------------------------------------
     def run(self):

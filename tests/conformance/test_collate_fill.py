@@ -1,0 +1,239 @@
+"""The C fill for default collation, CollatedSamples from __getitems__, and the
+vectorised TensorDataset fetch: each gives exactly torch's default_collate result
+(types, dtypes, shapes, strides, bytes) batch by batch, or torch's own error, and
+custom collate_fns still get what torch gives them."""
+import numpy as np
+import pytest
+import torch
+import torch.utils.data
+from torch.utils.data import TensorDataset, default_collate
+
+import fastloader
+from fastloader import CollatedSamples, _core
+from fastloader._codec_hooks import COLUMN, COPY, GATHER, DeferredStack
+from fastloader.batch_fetch import _tensor_dataset_batch
+from fastloader.collate import slot_collate
+from tests.support import collate_datasets as cd
+from tests.support.helpers import assert_same_batches, clone_batch, collect
+
+TorchLoader = torch.utils.data.DataLoader
+FastLoader = fastloader.DataLoader
+
+
+def assert_identical(a, b, path="batch"):
+    """assert_same_batches, except that tensors are compared by strides and raw
+    bytes (so NaN payloads and -0.0 count, and NaN equals itself)."""
+    assert type(a) is type(b), f"{path}: type {type(a).__name__} != {type(b).__name__}"
+    if isinstance(a, torch.Tensor):
+        assert (a.dtype, a.shape, a.stride(), a.device) == (b.dtype, b.shape, b.stride(), b.device), \
+            f"{path}: {a.dtype} {tuple(a.shape)} {a.stride()} != {b.dtype} {tuple(b.shape)} {b.stride()}"
+        assert a.contiguous().view(torch.uint8).numpy().tobytes() == \
+            b.contiguous().view(torch.uint8).numpy().tobytes(), f"{path}: bytes differ\n{a}\n{b}"
+    elif isinstance(a, dict):
+        assert list(a) == list(b), f"{path}: keys {list(a)} != {list(b)}"
+        for key in a:
+            assert_identical(a[key], b[key], f"{path}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{path}: length {len(a)} != {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_identical(x, y, f"{path}[{i}]")
+    else:
+        assert_same_batches(a, b, path)
+
+
+def both(dataset, seed=None, **kwargs):
+    """Same dataset through both loaders; `seed`: shuffle with a fresh generator each."""
+    kwargs.setdefault("batch_size", 8)
+    if seed is not None:
+        kwargs.update(shuffle=True, generator=torch.Generator().manual_seed(seed))
+    torch_batches = [clone_batch(b) for b in collect(TorchLoader(dataset, **kwargs))]
+    if seed is not None:
+        kwargs["generator"] = torch.Generator().manual_seed(seed)
+    fast_batches = collect(FastLoader(dataset, **kwargs))
+    assert len(torch_batches) == len(fast_batches)
+    for i, (e, g) in enumerate(zip(torch_batches, fast_batches)):
+        assert_identical(e, g, f"batch {i}")
+    return fast_batches
+
+
+def errors_of(dataset, **kwargs):
+    """(torch's error, fastloader's error) for a loader that must fail."""
+    out = []
+    for cls in (TorchLoader, FastLoader):
+        with pytest.raises(Exception) as info:
+            collect(cls(dataset, **kwargs))
+        out.append(info.value)
+    return out
+
+
+WORKERS = dict(num_workers=2, multiprocessing_context="fork")
+
+
+# ---- the C fill ----------------------------------------------------------------------
+
+def test_numbers_and_arrays_are_filled_by_c():
+    samples = [cd.NumbersDataset()[i] for i in range(6)]
+    out = slot_collate(samples)
+    kinds = [type(x).__name__ if not isinstance(x, DeferredStack) else x.how for x in out]
+    # ints, floats, bools, both array columns and the 0-d arrays go through C
+    assert kinds[:5] == [COLUMN] * 5 and out[6].how == COLUMN, kinds
+    assert out[5]["u8"].how == COLUMN and out[5]["c"].how == COLUMN
+    assert_identical(default_collate(samples), _core.decode(_core.encode(out)))
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+def test_numbers_dataset_same_as_torch(nw):
+    both(cd.NumbersDataset(), num_workers=nw, shuffle=False,
+         **({"multiprocessing_context": "fork"} if nw else {}))
+
+
+def test_fallback_columns_same_as_torch():
+    batches = both(cd.FallbackDataset(), **WORKERS)
+    assert batches[0][0].dtype == torch.int64 and batches[0][1].dtype == torch.float32
+
+
+def test_fallback_columns_are_not_filled_by_c():
+    samples = [cd.FallbackDataset()[i] for i in range(8)]
+    hows = [getattr(column, "how", None) for column in slot_collate(samples)]
+    # the array rows and the two int64 columns at the edges of the range are the C
+    # fill's; the rest torch's
+    assert hows[3] == COLUMN and hows[5:] == [COLUMN, COLUMN], hows
+    assert COLUMN not in hows[:3] + hows[4:5], hows
+
+
+@pytest.mark.parametrize("kind", ["overflow", "shapes", "object", "byteorder"])
+def test_unfillable_column_raises_torchs_error(kind):
+    expected, got = errors_of(cd.BadColumnDataset(kind), batch_size=8, **WORKERS)
+    assert type(got) is type(expected)
+    assert str(expected).strip().splitlines()[-1] in str(got), (expected, got)
+
+
+def test_column_kind_and_fill_column_refuse_mismatches():
+    assert _core.column_kind([1, 2, 3]) == 1
+    assert _core.column_kind([1.0, 2.0]) == 2
+    assert _core.column_kind([True, False]) == 3
+    assert _core.column_kind([np.zeros(2), np.zeros(2)]) == 4
+    for column in ([1, True], [1, 2.0], [2**63], [np.zeros(2), np.zeros(3)],
+                   [np.zeros(2), np.zeros(2, np.float32)], [np.zeros(2, ">f8")], [],
+                   [np.array([1], dtype=object)], [np.int64(1)]):
+        assert _core.column_kind(column) == 0, column
+    dest = np.zeros(2, dtype=np.int64)
+    with pytest.raises(ValueError):
+        _core.fill_column([1, 2, 3], dest)       # would write past the end
+    with pytest.raises(ValueError):
+        _core.fill_column([1, True], dest)       # not a column the fill may take
+    with pytest.raises(ValueError):
+        _core.fill_column([1, 2], dest[::2])     # not contiguous
+
+
+# ---- CollatedSamples -----------------------------------------------------------------
+
+SHAPES = ["tuple", "list", "namedtuple", "nested"]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_torch_collates_collated_samples_like_the_samples(shape):
+    # torch's own DataLoader: __getitems__ returning CollatedSamples == per-sample
+    kwargs = dict(batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(3))
+    plain = collect(TorchLoader(cd.BatchedDataset(shape, batched=False), **kwargs))
+    kwargs["generator"] = torch.Generator().manual_seed(3)
+    batched = collect(TorchLoader(cd.BatchedDataset(shape), **kwargs))
+    assert len(plain) == len(batched)
+    for e, g in zip(plain, batched):
+        assert_identical(e, g)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_collated_samples_same_as_torch(shape):
+    both(cd.BatchedDataset(shape), seed=5, **WORKERS)
+
+
+def test_collated_samples_are_copied_without_per_sample_python():
+    cs = cd.BatchedDataset("nested").__getitems__([3, 1, 4, 1, 5])
+    out = slot_collate(cs)
+    assert out["x"][0].how == COPY and out["x"][1]["np2"].how == COLUMN
+    assert out["y"][0].how == COPY and out["y"][1].how == COLUMN
+    assert_identical(default_collate(cs), _core.decode(_core.encode(out)))
+
+
+def test_collated_samples_requires_grad_takes_torchs_path():
+    cs = cd.RequiresGradBatched().__getitems__([0, 1])
+    assert getattr(slot_collate(cs)[0], "how", None) != COPY
+    expected, got = errors_of(cd.RequiresGradBatched(), batch_size=4, **WORKERS)
+    assert type(got) is type(expected)
+
+
+def test_custom_collate_gets_collated_samples():
+    batches = both(cd.BatchedDataset("tuple"), collate_fn=cd.describe_collate, **WORKERS)
+    assert batches[0]["type"] == "CollatedSamples" and batches[0]["len"] == 8
+
+
+def test_collated_samples_sequence():
+    features = torch.arange(10.0).view(5, 2)
+    cs = CollatedSamples({"f": features, "n": np.arange(5), "t": (features, [features])})
+    assert len(cs) == 5 and cs.batch["f"] is features
+    item = cs[-1]
+    assert type(item["t"]) is tuple and type(item["t"][1]) is list
+    assert torch.equal(item["f"], features[4]) and item["n"] == 4
+    assert [s["n"] for s in cs] == list(range(5)) and len(cs[1:3]) == 2
+    with pytest.raises(IndexError):
+        cs[5]
+    with pytest.raises(ValueError, match=r"batch\[1\] has 3 rows"):
+        CollatedSamples((features, features[:3]))
+    with pytest.raises(TypeError, match="str"):
+        CollatedSamples((features, "label"))
+    with pytest.raises(ValueError, match="0-dimensional"):
+        CollatedSamples((torch.tensor(1.0),))
+    with pytest.raises(TypeError, match="in a tuple"):
+        CollatedSamples(features)   # torch.stack would refuse the Sequence itself
+    with pytest.raises(ValueError, match="no tensor"):
+        CollatedSamples({})
+
+
+# ---- TensorDataset -------------------------------------------------------------------
+
+def _tensor_dataset():
+    g = torch.Generator().manual_seed(11)
+    n = 37
+    return TensorDataset(torch.randn(n, 3, generator=g), torch.arange(n),
+                         torch.arange(n) % 2 == 0, torch.randn(2, n, generator=g).t(),
+                         torch.arange(n).to(torch.uint16), torch.randn(n, generator=g).double())
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_tensor_dataset_same_as_torch(drop_last):
+    both(_tensor_dataset(), seed=2, drop_last=drop_last, **WORKERS)
+
+
+def test_tensor_dataset_is_gathered():
+    assert _tensor_dataset_batch(_tensor_dataset(), [4, 0]) is None   # uint16: no index_select
+    ds = TensorDataset(*[t for t in _tensor_dataset().tensors if t.dtype != torch.uint16])
+    out = _tensor_dataset_batch(ds, [4, 0, 36])
+    assert [s.how for s in out] == [GATHER] * 5
+    assert_identical(default_collate([ds[i] for i in (4, 0, 36)]), _core.decode(_core.encode(out)))
+    for indices in ([-1, 2], [37], [1, True], (1, 2)):
+        assert _tensor_dataset_batch(ds, indices) is None, indices
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_gathered_tensor_dataset_same_as_torch(drop_last):
+    ds = TensorDataset(*[t for t in _tensor_dataset().tensors if t.dtype != torch.uint16])
+    both(ds, seed=4, drop_last=drop_last, **WORKERS)
+
+
+def test_tensor_dataset_out_of_range_raises_torchs_error():
+    ds = _tensor_dataset()
+    expected, got = errors_of(ds, batch_sampler=[[0, 40]], **WORKERS)
+    assert type(got) is type(expected)
+    assert str(expected).strip().splitlines()[-1] in str(got)
+
+
+def test_tensor_dataset_negative_index_same_as_torch():
+    both(_tensor_dataset(), batch_sampler=[[-1, 0, -37]], batch_size=1, **WORKERS)
+
+
+def test_batch_sampler_with_batch_size_none_same_as_torch():
+    # the torch-native pattern of the README: the dataset's __getitem__ takes a list
+    sampler = torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(range(45)), 8,
+                                            drop_last=False)
+    both(cd.BatchedDataset("nested", batched=False), batch_size=None, sampler=sampler, **WORKERS)

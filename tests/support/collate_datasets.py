@@ -1,0 +1,148 @@
+"""Datasets for tests/conformance/test_collate_fill.py (module level, so workers of
+any start method can unpickle them). Values derive from the index only."""
+import collections
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from fastloader import CollatedSamples
+
+Pair = collections.namedtuple("Pair", "features label")
+
+
+def _nan_with_payload():
+    # a NaN whose payload bits must survive: torch.equal cannot see them, bytes can
+    return np.frombuffer(np.uint64(0x7FF8_0000_0000_1234).tobytes(), dtype=np.float64)[0]
+
+
+class NumbersDataset(Dataset):
+    """Every column kind the C fill takes: ints, floats (with -0.0 and a NaN
+    payload), bools, same-shape NumPy arrays (contiguous and strided), tensors."""
+
+    def __init__(self, length=50):
+        self.length = length
+        base = np.arange(length * 8, dtype=np.int16).reshape(length, 2, 4)
+        self.strided = base[:, :, ::2]           # not contiguous
+        self.rows = np.linspace(-1, 1, length * 3, dtype=np.float32).reshape(length, 3)
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, i):
+        special = (-0.0, float(_nan_with_payload()), float("inf"), 1e-310)
+        return (
+            i * 7 - 100,
+            special[i % 4] if i % 5 == 0 else i / 3,
+            i % 3 == 0,
+            self.rows[i],
+            self.strided[i],
+            {"u8": np.full((2,), i, dtype=np.uint8), "c": np.complex64(1j * i) * np.ones(1, np.complex64),
+             "t": torch.full((2,), float(i))},
+            np.array(i, dtype=np.float64),       # 0-d array
+        )
+
+
+class FallbackDataset(Dataset):
+    """Columns the C fill must leave to torch: mixed int/bool, int/float, int
+    subclass, NumPy scalars, uint32 arrays, ints near 2**63."""
+
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        return (
+            True if i % 2 else i,                   # int64 after torch's promotion
+            float(i) if i % 3 else i,               # float32 (torch's default dtype)
+            np.int32(i),                            # NumPy scalar
+            np.arange(3, dtype=np.float32)[None].repeat(i % 2 + 1, 0)[0],   # a row, not a copy
+            np.arange(2, dtype=np.uint32) + i,      # dtype outside the C fill's list
+            2**63 - 1 - i,                          # fits int64
+            -2**63 + i,
+        )
+
+
+class BadColumnDataset(Dataset):
+    """A column torch refuses; `kind` picks which. fastloader must raise torch's error."""
+
+    def __init__(self, kind):
+        self.kind = kind
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        if self.kind == "overflow":
+            return 2**63 if i == 5 else i
+        if self.kind == "shapes":
+            return np.zeros(3 if i == 6 else 2, dtype=np.float32)
+        if self.kind == "byteorder":
+            return (np.arange(3) + i).astype(">f4")
+        if self.kind == "object":
+            return np.array([i, "x"], dtype=object)
+        raise ValueError(self.kind)
+
+
+def _columns(length):
+    g = torch.Generator().manual_seed(7)
+    features = torch.randn(length, 4, generator=g)
+    return {
+        "features": features,
+        "wide": torch.randn(4, length, generator=g).t(),          # not contiguous
+        "labels": torch.arange(length) % 10,
+        "flags": torch.arange(length) % 3 == 0,
+        "np1": np.arange(length, dtype=np.float64) / 7,            # 1-D: NumPy scalars per sample
+        "np2": np.arange(length * 4, dtype=np.int32).reshape(length, 4)[:, ::2],   # strided
+    }
+
+
+class BatchedDataset(Dataset):
+    """Samples of one structure (`shape`), with or without `__getitems__` returning
+    CollatedSamples: torch must produce the same batches either way."""
+
+    def __init__(self, shape, length=45, batched=True):
+        self.shape, self.length, self.batched = shape, length, batched
+        self.cols = _columns(length)
+
+    def __len__(self):
+        return self.length
+
+    def _structure(self, index):
+        c = {k: v[index] for k, v in self.cols.items()}
+        if self.shape == "tuple":
+            return (c["features"], c["labels"])
+        if self.shape == "list":
+            return [c["features"], c["flags"], c["np1"]]
+        if self.shape == "namedtuple":
+            return Pair(c["wide"], c["labels"])
+        if self.shape == "nested":
+            return {"x": (c["features"], {"np2": c["np2"]}), "y": [c["labels"], c["np1"]]}
+        raise ValueError(self.shape)
+
+    def __getitem__(self, i):
+        return self._structure(i)
+
+    def __getitems__(self, indices):
+        if not self.batched:
+            return [self[i] for i in indices]
+        index = np.asarray(indices, dtype=np.int64)
+        return CollatedSamples(self._structure(index))
+
+
+class RequiresGradBatched(Dataset):
+    """A CollatedSamples leaf that requires grad: fastloader must take torch's path."""
+
+    def __init__(self):
+        self.w = torch.ones(12, 2, requires_grad=True)
+
+    def __len__(self):
+        return 12
+
+    def __getitems__(self, indices):
+        return CollatedSamples((self.w[torch.as_tensor(indices)],))
+
+
+def describe_collate(batch):
+    """A custom collate_fn: shows what it was given."""
+    return {"type": type(batch).__name__, "len": len(batch),
+            "first": torch.as_tensor(batch[0][0]).clone(), "last_label": int(batch[-1][1])}
