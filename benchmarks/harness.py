@@ -194,6 +194,7 @@ def time_one_epoch(loader, warmup_batches):
         del batch
         if index == warmup_batches - 1:
             pids = iterator_worker_pids(iterator) or loader_child_pids()
+            arena = arena_bytes_per_worker(iterator)
             if pids:
                 workers_cpu_start = workers_cpu_seconds(pids)
         now = time.perf_counter()
@@ -205,7 +206,7 @@ def time_one_epoch(loader, warmup_batches):
         if index == last_index:  # before the end of the epoch stops the workers
             if pids:
                 workers_cpu_end = workers_cpu_seconds(pids)
-            arena = arena_bytes_per_worker(iterator)
+            arena = _max_per_worker(arena, arena_bytes_per_worker(iterator))
     del iterator
     if timed_batches == 0:
         raise ValueError(f"the epoch had no batches after {warmup_batches} warm-up batches")
@@ -248,6 +249,12 @@ def time_steady_epoch(loader, warmup_batches):
     del iterator
     result = time_one_epoch(loader, warmup_batches)
     return dataclasses.replace(result, first_batch_s=first_batch_s)
+
+
+def _max_per_worker(first, second):
+    if first is None or second is None or len(first) != len(second):
+        return first if second is None else second
+    return [max(a, b) for a, b in zip(first, second)]
 
 
 def arena_bytes_per_worker(iterator):

@@ -1,24 +1,33 @@
-"""Steady-state throughput of fastloader.DataLoader against torch's DataLoader.
+"""Steady-state throughput of fastloader.DataLoader against torch's DataLoader and peers.
 
     python -m benchmarks.throughput                  # full run (part of `python -m benchmarks.run`)
-    python -m benchmarks.throughput --quick          # smoke run, ~45 s
+    python -m benchmarks.throughput --quick          # smoke run, ~3 min with the peers
+    python -m benchmarks.throughput --no-peers       # fastloader and torch only
     python -m benchmarks.throughput --workloads tiny,image --repeats 7 --json out.json
     python -m benchmarks.throughput --context spawn
 
-Workloads (budgets from DESIGN.md, "Budgets", and issue 5):
+Workloads (budgets from DESIGN.md, "Budgets", and issues 5 and 14):
 
-    tiny           16 float32 + int label per sample          samples/s  >= 5.0x torch
+    tiny           16 float32 + int label per sample          samples/s  >= 5.0x torch,
+                                                                         efficiency >= 0.9
+    tiny_batched   tiny samples from __getitems__ (skipped    samples/s  >= 1.0x torch
+                   if datasets has no TinyBatchedDataset)
     image          uint8 3x224x224 + int label                MiB/s      >= 1.5x torch
     tokens         16-512 int64 tokens, padded into a dict    samples/s  >= 2.0x torch
-                   by a custom collate_fn
-    cpu            ~1 ms of pure Python per sample            samples/s  >= 1.0x torch
+                   by a custom collate_fn                                efficiency >= 0.9
+    cpu            ~1 ms of pure Python per sample            samples/s  >= 1.0x torch,
+                                                                         efficiency >= 0.9
+    decode         PIL JPEG decode + 224x224 crop + tensor    samples/s  >= 1.0x torch
     next_overhead  tiny samples, prefetch_factor 4, consumer  us/batch   <= 1/10 of torch's
                    sleeps 2.5 ms per batch: wall time of one
                    next() in the main process (median)
 
-Both loaders are built with the same arguments (batch 64, 2 workers, fork
+Every loader (fastloader, torch, and the peers of benchmarks.loaders: torchdata's
+StatefulDataLoader and nodes pipelines, SPDL's thread and subprocess pipelines)
+gets the same dataset object and arguments (batch 64, 2 workers or threads, fork
 unless --context says otherwise); fastloader runs with its default
-sharing_strategy. Progress goes to stderr, the Markdown report to stdout.
+sharing_strategy. next_overhead is fastloader and torch only. Efficiency and
+peak PSS (main + workers) are reported for every loader; see benchmarks/README.md. Progress goes to stderr, the Markdown report to stdout.
 The exit status is 0 unless --check is given and a budget is clearly missed.
 """
 
@@ -76,7 +85,8 @@ class Workload:
     # Batches timed after the warm-up, sized for a timed window of ~3 s for
     # torch (~1 s with --quick) on the 2-core reference machine: long enough to
     # average out scheduler noise, short enough that a default run of all
-    # workloads stays under ~3 minutes and a quick one under a minute.
+    # workloads stays under ~15 minutes with the peers (8 loaders) and a quick
+    # one at a few minutes.
     timed_batches: int
     quick_timed_batches: int
     description: str = ""
@@ -128,10 +138,10 @@ WORKLOADS = {
         Workload("tokens", datasets.TokenDataset, "samples/s", 2.0, 1000, 350,
                  description="16-512 int64 tokens, custom collate pads into a dict",
                  collate_fn=datasets.pad_tokens, efficiency_budget=EFFICIENCY_BUDGET),
-        Workload("cpu", datasets.CpuBoundDataset, "samples/s", 1.0, 100, 32,
+        Workload("cpu", datasets.CpuBoundDataset, "samples/s", 1.0, 100, 16,
                  description="~1 ms of pure Python per sample",
                  efficiency_budget=EFFICIENCY_BUDGET),
-        Workload("decode", _decode, "samples/s", 1.0, 60, 20,
+        Workload("decode", _decode, "samples/s", 1.0, 40, 12,
                  description="PIL JPEG decode (256x256-512x384) + 224x224 crop + to tensor"),
         # The timed window here is batches x (sleep + next()), ~1.5 s for both
         # loaders; only the next() calls inside it count.
@@ -217,9 +227,9 @@ def parse_args(argv):
         description="Throughput of fastloader.DataLoader vs torch.utils.data.DataLoader.",
     )
     parser.add_argument("--quick", action="store_true",
-                        help="smoke run: fewer batches and 3 repeats (~45 s)")
+                        help="smoke run: fewer batches and 2 repeats (~3 min)")
     parser.add_argument("--repeats", type=_positive_int, default=None,
-                        help="runs per loader per workload (default 5, 3 with --quick)")
+                        help="runs per loader per workload (default 3, 2 with --quick)")
     parser.add_argument("--workloads", type=_workload_list, default=list(WORKLOADS),
                         help=f"comma-separated subset of {','.join(WORKLOADS)} (default: all)")
     parser.add_argument("--context", choices=("fork", "spawn", "forkserver"), default="fork",
@@ -235,7 +245,9 @@ def parse_args(argv):
     parser.add_argument("-v", "--verbose", action="store_true", help="a progress line per run")
     args = parser.parse_args(argv)
     if args.repeats is None:
-        args.repeats = 3
+        # 8 loaders per workload with the peers: 3 repeats keep a full run near 15
+        # min on 2 cores; --quick takes 2 (a smoke run, not a measurement).
+        args.repeats = 2 if args.quick else 3
     return args
 
 
