@@ -282,6 +282,8 @@ class NextCallResult:
     p90_us: float
     mean_us: float
     checksum: float
+    peak_pss_bytes: Optional[int] = None  # as in RunResult
+    peak_main_pss_bytes: Optional[int] = None
 
 
 def time_next_calls(loader, warmup_batches, consumer_sleep_s):

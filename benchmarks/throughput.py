@@ -383,7 +383,7 @@ def benchmark_workload(workload, args, specs, pss_sampler=None):
             peaks.median / MIB, peaks.low / MIB, peaks.high / MIB)
     arena_mib = {}
     for name, rs in runs.items():
-        last = rs[-1].arena_bytes_per_worker if rs else None
+        last = getattr(rs[-1], "arena_bytes_per_worker", None) if rs else None
         arena_mib[name] = None if last is None else [b / MIB for b in last]
     ratios = {
         name: Stats.of(times_better(workload, value_of(workload, mine), value_of(workload, ref))
@@ -527,7 +527,7 @@ def render_loaders_table(reports, args, unavailable):
             arena = report.arena_mib.get(name)
             pss_text = "-" if pss is None else f"{pss.median:,.0f}"
             if arena:
-                pss_text += f" (arena {'/'.join(f'{a:.0f}' for a in arena)})"
+                pss_text += f" (arena {'/'.join(f'{a:.2g}' if a < 10 else f'{a:.0f}' for a in arena)})"
             rows.append([
                 report.workload.name, name, report.kinds.get(name, "?"),
                 f"{_format_stats(report.value[name], unit)} {unit}",
