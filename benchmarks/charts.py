@@ -101,19 +101,20 @@ def throughput_chart(summary, path):
         present = [n for n in names if n in ratios]
         for k, name in enumerate(present):
             r = ratios[name]
-            pos = x - group / 2 + (k + 0.5) * group / len(present)
-            ax.bar(pos, r["median"], width=group / len(present) * 0.92, color=colors[name],
+            pos = x + (k - (len(present) - 1) / 2) * width
+            ax.bar(pos, r["median"], width=width * 0.92, color=colors[name],
                    yerr=[[max(0.0, r["median"] - r["low"])], [max(0.0, r["high"] - r["median"])]],
                    capsize=2, ecolor="#333333", zorder=2, hatch=None if r["valid"] else "xx",
                    alpha=1.0 if r["valid"] else 0.4)
             if len(present) <= 8:
                 ax.annotate(f"{r['median']:.1f}" if r["median"] >= 10 else f"{r['median']:.2f}",
-                            (pos, r["high"]), xytext=(0, 2), textcoords="offset points",
-                            ha="center", fontsize=6, rotation=90)
+                            (pos, r["high"]), xytext=(0, 3), textcoords="offset points",
+                            ha="center", va="bottom", fontsize=6, rotation=90)
             lows.append(r["low"])
             highs.append(r["high"])
         budget = workload["budget"]
-        ax.hlines(budget, x - group / 2, x + group / 2, colors="black", linestyles="--",
+        half = len(present) * width / 2
+        ax.hlines(budget, x - half, x + half, colors="black", linestyles="--",
                   linewidth=1.2, zorder=3)
         highs.append(budget)
     ax.axhline(1.0, color="#d62728", linewidth=1, zorder=1)
@@ -133,8 +134,9 @@ def throughput_chart(summary, path):
     for label, workload in zip(labels, workloads):
         label.set_color(_verdict_color(workload))
     ax.set_ylabel("times better than torch's DataLoader (log; red line = torch)")
-    ax.set_title("every loader / torch, same run: median of per-repeat ratios, range; "
-                 "dashed: fastloader's budget; hatched: data differs", fontsize=9)
+    ax.set_title("every loader / torch, same run: median of per-repeat ratios (bar), range "
+                 "(whisker)\ndashed: fastloader's budget; hatched: data differs (invalid)",
+                 fontsize=9)
     fig.suptitle(_subtitle(summary.get("throughput", summary)), fontsize=8, y=0.995, color="#555555")
     handles = [plt.Rectangle((0, 0), 1, 1, color=colors[n]) for n in names]
     ax.legend(handles, names, fontsize=7, loc="upper left", ncol=min(4, len(names)))
