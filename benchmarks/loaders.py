@@ -13,17 +13,19 @@ iterate once per epoch and that knows its length in batches::
   registered only if its package imports; if not, ``unavailable`` says why and
   the report lists it as not run, with the reason.
 - External peers: a module named in ``EXTERNAL_PEER_MODULES`` (e.g.
-  ``benchmarks.ffcv_peer``), if it imports, may define ``LOADERS``, a dict of
-  name -> ``LoaderSpec``; they join the same runs, tables, summary.json and
-  charts. A loader that cannot run some workload returns
+  ``benchmarks.ffcv_peer``), if present, defines ``loaders() -> (found,
+  missing)`` as the peer modules here do (or a ``LOADERS`` dict of name ->
+  ``LoaderSpec``); they join the same runs, tables, summary.json and charts.
+  A module that is present but fails to import is reported as unavailable. A loader that cannot run some workload returns
   ``LoaderSpec.supports(workload) -> (False, reason)`` and is reported as such.
 """
 
 import importlib
-from dataclasses import dataclass, field
-from typing import Callable
 
 import torch.utils.data
+
+from benchmarks import peer_spdl, peer_torchdata
+from benchmarks.loader_spec import LoaderSpec
 
 FASTLOADER = "fastloader"
 TORCH = "torch"
@@ -31,22 +33,6 @@ IN_PROCESS = "in-process"
 
 # Modules other benchmark files may provide; imported if present (never required).
 EXTERNAL_PEER_MODULES = ("benchmarks.ffcv_peer",)
-
-
-@dataclass(frozen=True)
-class LoaderSpec:
-    name: str
-    # (dataset, *, batch_size, num_workers, collate_fn, persistent, context) -> iterable
-    build: Callable
-    kind: str  # "processes", "threads" or "in-process": where the per-sample work runs
-    description: str = ""
-    is_peer: bool = True
-    # workload name -> reason it cannot run it (reported, never silently dropped)
-    unsupported: dict = field(default_factory=dict)
-
-    def supports(self, workload_name):
-        reason = self.unsupported.get(workload_name)
-        return (reason is None), reason
 
 
 def _dataloader_builder(cls):
@@ -72,17 +58,27 @@ def registry(fastloader_cls, include_peers=True):
     unavailable = {}
     if not include_peers:
         return loaders, unavailable
-    for module_name in ("benchmarks.peer_torchdata", "benchmarks.peer_spdl"):
-        module = importlib.import_module(module_name)
+    for module in (peer_torchdata, peer_spdl):
         found, missing = module.loaders()
         loaders.update(found)
         unavailable.update(missing)
     for module_name in EXTERNAL_PEER_MODULES:
         try:
             module = importlib.import_module(module_name)
-        except ImportError:
-            continue  # that helper's module is not here (yet): nothing to merge
-        loaders.update(getattr(module, "LOADERS", {}))
+        except ModuleNotFoundError as error:
+            if error.name == module_name:
+                continue  # that helper's module is not in this checkout: nothing to merge
+            unavailable[module_name] = f"does not import: {error}"
+            continue
+        except Exception as error:  # noqa: BLE001 - reported, never hidden
+            unavailable[module_name] = f"does not import: {type(error).__name__}: {error}"
+            continue
+        if hasattr(module, "loaders"):  # the same protocol as the peer modules here
+            found, missing = module.loaders()
+            loaders.update(found)
+            unavailable.update(missing)
+        else:
+            loaders.update(getattr(module, "LOADERS", {}))
     return loaders, unavailable
 
 

@@ -19,6 +19,8 @@ and a sink buffers the results.
 """
 
 from benchmarks.batch_fetch import FetchAndCollate, batch_sampler
+from benchmarks.harness import iter_tensors
+from benchmarks.loader_spec import LoaderSpec
 
 THREADS = "spdl.thread"
 SUBPROCESS = "spdl.subprocess"
@@ -59,8 +61,6 @@ class SpdlThreadLoader:
 
 def _batch_bytes(dataset, batch_size, collate_fn):
     """Bytes of the tensors of the dataset's first batch (cached per dataset)."""
-    from benchmarks.harness import iter_tensors
-
     key = (id(dataset), batch_size, id(collate_fn))
     if key not in _batch_bytes_cache:
         first = FetchAndCollate(dataset, collate_fn)(list(range(min(batch_size, len(dataset)))))
@@ -95,8 +95,6 @@ class SpdlSubprocessLoader:
 
 def loaders():
     """``(found, missing)``: name -> LoaderSpec, and name -> why not available."""
-    from benchmarks.loaders import LoaderSpec
-
     try:
         import spdl.pipeline  # noqa: F401
         from spdl.pipeline import SharedMemorySegmentPool, run_pipeline_in_subprocess  # noqa: F401

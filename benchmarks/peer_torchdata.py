@@ -12,6 +12,7 @@ option), so "persistent" does not apply to it.
 """
 
 from benchmarks.batch_fetch import FetchAndCollate, batch_sampler
+from benchmarks.loader_spec import LoaderSpec
 
 STATEFUL = "torchdata.SDL"
 NODES_PROCESSES = "nodes.process"
@@ -61,8 +62,6 @@ def _nodes(method):
 
 def loaders():
     """``(found, missing)``: name -> LoaderSpec, and name -> why not available."""
-    from benchmarks.loaders import LoaderSpec
-
     names = (STATEFUL, NODES_PROCESSES, NODES_THREADS)
     try:
         import torchdata

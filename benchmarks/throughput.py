@@ -46,6 +46,7 @@ import torch.utils.data
 
 from benchmarks import datasets, loaders as loader_registry
 from benchmarks.harness import (
+    EXCLUDED_PIDS,
     MIB,
     Stats,
     json_record,
@@ -642,8 +643,7 @@ def run_workloads(args, fastloader_module, fastloader_cls, step_prefix=""):
         progress(f"  {name} not available: {reason}")
     reports, skipped = [], {}
     sampler = PssSampler()
-    import benchmarks.harness as harness
-    harness.EXCLUDED_PIDS.add(sampler.pid)
+    EXCLUDED_PIDS.add(sampler.pid)
     try:
         for position, name in enumerate(args.workloads, start=1):
             workload = WORKLOADS[name]
@@ -666,7 +666,7 @@ def run_workloads(args, fastloader_module, fastloader_cls, step_prefix=""):
                      f"in {time.perf_counter() - started:.0f} s")
     finally:
         sampler.close()
-        harness.EXCLUDED_PIDS.discard(sampler.pid)
+        EXCLUDED_PIDS.discard(sampler.pid)
     return reports, skipped, unavailable
 
 
