@@ -541,7 +541,7 @@ def render_loaders_table(reports, args, unavailable):
             ])
         for name, reason in report.not_run.items():
             rows.append([report.workload.name, name, "-", "not run", "-", "-", "-", "-", "-",
-                         reason])
+                         "not run (see below)"])
     notes = ["", "Every loader on the same dataset objects, interleaved in the same repeats "
              "(order flipped every repeat); x torch: the loader's rate / torch's in the same "
              "repeat (median, range). Peak PSS: the main process and every process it "
@@ -551,6 +551,9 @@ def render_loaders_table(reports, args, unavailable):
              "the efficiency baseline (num_workers=0), not a competitor."]
     for name, reason in unavailable.items():
         notes.append(f"NOT RUN: {name}: {reason}.")
+    for report in reports:
+        for name, reason in report.not_run.items():
+            notes.append(f"NOT RUN: {report.workload.name}: {name} cannot run it: {reason}")
     for report in reports:
         ahead = report.peers_ahead()
         if ahead:
