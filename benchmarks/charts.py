@@ -94,7 +94,8 @@ def throughput_chart(summary, path):
         colors[name] = _PEER_COLORS[k % len(_PEER_COLORS)]
     group = 0.84
     width = group / max(1, len(names))
-    fig, ax = plt.subplots(figsize=(max(7.5, (0.32 * len(names) + 0.9) * len(workloads) + 2), 5.6))
+    fig, ax = plt.subplots(figsize=(min(16.0, max(7.5, (0.2 * len(names) + 0.6) * len(workloads) + 2)),
+                                    5.6))
     lows, highs = [1.0], [1.0]
     for x, workload in enumerate(workloads):
         ratios = _loader_ratios(workload)

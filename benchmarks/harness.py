@@ -411,7 +411,7 @@ def warm_up(loader, batches):
 
 
 def run_alternating(build_loader, loader_classes, repeats, warmup_batches, on_run=None,
-                    measure=time_one_epoch, pss_sampler=None):
+                    measure=time_one_epoch, pss_sampler=None, warm=True):
     """Time ``repeats`` epochs per loader class, alternating the classes.
 
     ``build_loader(cls)`` returns a fresh loader; ``loader_classes`` maps a
@@ -421,14 +421,15 @@ def run_alternating(build_loader, loader_classes, repeats, warmup_batches, on_ru
     ``on_run(repeat, name, result)`` is called after every run (for progress).
     ``pss_sampler`` (a ``benchmarks.pss.PssSampler``), if given, samples the
     PSS of the process tree from before the loader is built until its epoch
-    ends; the peak goes into the result.
+    ends; the peak goes into the result. ``warm=False`` skips the untimed
+    epoch per loader class (for a caller that already ran one).
     """
     names = list(loader_classes)
     results = {name: [] for name in names}
     children_before = {child.pid for child in psutil.Process().children(recursive=True)}
     _children_before.clear()
     _children_before.update(children_before)
-    for name in names:
+    for name in names if warm else ():  # warm=False: the caller warmed them up
         warm_up(build_loader(loader_classes[name]), 2 * warmup_batches)
         wait_for_workers_to_exit(children_before)
     for repeat in range(repeats):
