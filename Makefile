@@ -50,12 +50,16 @@ test-compat: install $(CDEPS)
 	$(CVPY) -m pytest -q tests/clients/test_torchvision.py tests/conformance/test_conformance.py
 
 BENCH_DEPS := $(VENV)/.bench-deps-stamp
-$(BENCH_DEPS): requirements-bench.txt $(DEPS)
-	$(VPY) -m pip install -q --disable-pip-version-check -r requirements-bench.txt
+# requirements-dev.txt rides along for its torch==2.13.0 pin: torchdata and SPDL must
+# resolve against that torch, not pull another build.
+$(BENCH_DEPS): requirements-bench.txt requirements-dev.txt $(DEPS)
+	$(VPY) -m pip install -q --disable-pip-version-check \
+		-r requirements-dev.txt -r requirements-bench.txt
 	touch $@
 
-# The headline benchmark: every workload against torch's DataLoader in the same
-# run, the budget table, and PNG charts in benchmarks/results/.
+# The headline benchmark: every workload against torch's DataLoader and the peers
+# (torchdata, SPDL) in the same run, the budget table, and PNG charts in
+# benchmarks/results/. ~15-20 min on a quiet 2-core box.
 bench: install $(BENCH_DEPS)
 	$(VPY) -m benchmarks.run
 

@@ -5,8 +5,9 @@
 
 Charts (each only when its part of the summary is present):
 
-    throughput.png  times faster than torch per workload (median ratio, per-repeat
-                    range as error bar) against its budget
+    throughput.png  per workload, every loader (fastloader and the peers) as times
+                    better than torch (median ratio, per-repeat range as error bar),
+                    fastloader's budget dashed, where a peer is ahead in the label
     scaling.png     samples/s by worker count, one panel per batch size, both loaders
     memory.png      per-worker USS over one tiny-workload epoch, both loaders
     startup.png     seconds to the first batch under spawn and forkserver, first
@@ -61,46 +62,85 @@ def _verdict_color(workload):
     return _VERDICT_COLORS["missed" if workload["clearly_missed"] else "within noise"]
 
 
+_PEER_COLORS = ["#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#ff7f0e",
+                "#7f7f7f"]
+
+
+def _loader_ratios(workload):
+    """name -> {"median", "low", "high", "valid"}: every loader's ratio to torch.
+
+    Summaries from before the peers were added have only fastloader's ratio."""
+    loaders = workload.get("loaders")
+    if not loaders:
+        return {FASTLOADER: {**workload["paired_ratios"], "median": workload["ratio"],
+                             "valid": workload["data_agrees"]}}
+    return {name: {**entry["ratio_to_torch"], "valid": bool(entry.get("data_agrees"))}
+            for name, entry in loaders.items() if name not in (TORCH, "in-process")}
+
+
 def throughput_chart(summary, path):
-    """Bar per workload: how many times better than torch, with its budget."""
+    """Per workload, a bar per loader: how many times better than torch, with the
+    per-repeat range, fastloader's budget (dashed) and its verdict colour on the label."""
     plt = _pyplot()
     workloads = summary["throughput"]["workloads"]
-    fig, ax = plt.subplots(figsize=(max(6.5, 1.7 * len(workloads) + 2), 5))
-    positions = range(len(workloads))
-    ratios = [w["ratio"] for w in workloads]
-    errors = [[max(0.0, w["ratio"] - w["paired_ratios"]["low"]) for w in workloads],
-              [max(0.0, w["paired_ratios"]["high"] - w["ratio"]) for w in workloads]]
-    ax.bar(positions, ratios, width=0.6, color=[_verdict_color(w) for w in workloads],
-           yerr=errors, capsize=4, ecolor="#333333", zorder=2)
-    for x, workload in zip(positions, workloads):
+    names = []
+    for workload in workloads:
+        for name in _loader_ratios(workload):
+            if name not in names:
+                names.append(name)
+    names.sort(key=lambda n: (n != FASTLOADER, n))
+    colors = {FASTLOADER: _COLORS[FASTLOADER]}
+    for k, name in enumerate(n for n in names if n != FASTLOADER):
+        colors[name] = _PEER_COLORS[k % len(_PEER_COLORS)]
+    group = 0.84
+    width = group / max(1, len(names))
+    fig, ax = plt.subplots(figsize=(min(16.0, max(7.5, (0.2 * len(names) + 0.6) * len(workloads) + 2)),
+                                    5.6))
+    lows, highs = [1.0], [1.0]
+    for x, workload in enumerate(workloads):
+        ratios = _loader_ratios(workload)
+        present = [n for n in names if n in ratios]
+        for k, name in enumerate(present):
+            r = ratios[name]
+            pos = x + (k - (len(present) - 1) / 2) * width
+            ax.bar(pos, r["median"], width=width * 0.92, color=colors[name],
+                   yerr=[[max(0.0, r["median"] - r["low"])], [max(0.0, r["high"] - r["median"])]],
+                   capsize=2, ecolor="#333333", zorder=2, hatch=None if r["valid"] else "xx",
+                   alpha=1.0 if r["valid"] else 0.4)
+            if len(present) <= 8:
+                ax.annotate(f"{r['median']:.1f}" if r["median"] >= 10 else f"{r['median']:.2f}",
+                            (pos, r["high"]), xytext=(0, 3), textcoords="offset points",
+                            ha="center", va="bottom", fontsize=6, rotation=90)
+            lows.append(r["low"])
+            highs.append(r["high"])
         budget = workload["budget"]
-        ax.hlines(budget, x - 0.42, x + 0.42, colors="black", linestyles="--", linewidth=1.5, zorder=3)
-        # Budget text under its line, the ratio above both the error bar and
-        # the budget line, so neither collides with the other.
-        ax.annotate(f"budget {budget:g}x", (x + 0.42, budget), xytext=(0, -2),
-                    textcoords="offset points", fontsize=7, ha="right", va="top")
-        top = max(workload["paired_ratios"]["high"], workload["ratio"], budget)
-        ax.annotate(f"{workload['ratio']:.2f}x", (x, top), xytext=(0, 4),
-                    textcoords="offset points", ha="center", fontsize=9, fontweight="bold")
-    ax.axhline(1.0, color="#777777", linewidth=1, zorder=1)
+        half = len(present) * width / 2
+        ax.hlines(budget, x - half, x + half, colors="black", linestyles="--",
+                  linewidth=1.2, zorder=3)
+        highs.append(budget)
+    ax.axhline(1.0, color="#d62728", linewidth=1, zorder=1)
     ax.set_yscale("log")
-    highest = max(max(w["paired_ratios"]["high"], w["budget"]) for w in workloads)
-    lowest = min(min(w["paired_ratios"]["low"], 1.0) for w in workloads)
-    ax.set_ylim(lowest / 1.6, highest * 2.0)
-    ticks = [t for t in (0.5, 1, 1.5, 2, 3, 5, 10, 20, 50, 100, 200) if lowest / 1.6 <= t <= highest * 2]
+    low, high = min(lows) / 1.6, max(highs) * 2.5
+    ax.set_ylim(low, high)
+    ticks = [t for t in (0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100, 200) if low <= t <= high]
     ax.set_yticks(ticks)
     ax.set_yticklabels([f"{t:g}x" for t in ticks])
     ax.minorticks_off()
-    ax.set_xticks(list(positions))
-    ax.set_xticklabels([
-        f"{w['name']}\n{'us/batch (time)' if w.get('lower_is_better') else w['unit']}" for w in workloads
-    ], fontsize=9)
-    ax.set_ylabel("times better than torch's DataLoader (log)")
-    ax.set_title("fastloader / torch, same run: median ratio, per-repeat range, budget (dashed)",
-                 fontsize=10)
+    ax.set_xticks(range(len(workloads)))
+    labels = ax.set_xticklabels([
+        f"{w['name']}\n{'us/batch (time)' if w.get('lower_is_better') else w['unit']}\n"
+        f"fastloader: {'met' if w['met'] else 'missed'}"
+        + (f"\npeer ahead: {', '.join(w['peers_ahead'])}" if w.get("peers_ahead") else "")
+        for w in workloads], fontsize=8)
+    for label, workload in zip(labels, workloads):
+        label.set_color(_verdict_color(workload))
+    ax.set_ylabel("times better than torch's DataLoader (log; red line = torch)")
+    ax.set_title("every loader / torch, same run: median of per-repeat ratios (bar), range "
+                 "(whisker)\ndashed: fastloader's budget; hatched: data differs (invalid)",
+                 fontsize=9)
     fig.suptitle(_subtitle(summary.get("throughput", summary)), fontsize=8, y=0.995, color="#555555")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=color) for color in _VERDICT_COLORS.values()]
-    ax.legend(handles, ["budget met", "missed within noise", "missed"], fontsize=8, loc="upper left")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[n]) for n in names]
+    ax.legend(handles, names, fontsize=7, loc="upper left", ncol=min(4, len(names)))
     ax.grid(axis="y", alpha=0.3, zorder=0)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -10,6 +10,8 @@ is fast because it returns the wrong bytes must not go unnoticed.
 """
 
 import numpy as np
+import random
+
 import torch
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import Dataset
@@ -167,3 +169,72 @@ class TinyBatchedDataset(TinyDataset):
         index = torch.from_numpy(np.asarray(indices, dtype=np.int64))
         return CollatedSamples((self.features.index_select(0, index),
                                  self.labels.index_select(0, index)))
+class JpegDataset(Dataset):
+    """JPEG decode + random crop + to tensor: what an image-classification loader does.
+
+    The benchmark makes its own images (``make_jpegs``: seeded, sizes from 256x256
+    to 512x384) and holds their encoded bytes in memory, so the measurement is the
+    decode and the crop, not the disk. Sample ``i`` decodes image ``i % len(jpegs)``
+    with Pillow, takes a 224x224 crop whose corner is drawn from a generator seeded
+    by ``i`` (a "random" crop every loader reproduces exactly, so the checksums of
+    their batches can be compared) and returns it as a uint8 3x224x224 tensor.
+    """
+
+    CROP = 224
+
+    def __init__(self, length, jpegs=None):
+        self.length = length
+        self.jpegs = list(jpegs if jpegs is not None else make_jpegs())
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, index):
+        from io import BytesIO
+
+        import numpy as np
+        from PIL import Image
+
+        if not 0 <= index < self.length:
+            raise IndexError(index)
+        with Image.open(BytesIO(self.jpegs[index % len(self.jpegs)])) as image:
+            image = image.convert("RGB")
+            rng = random.Random(index)
+            left = rng.randrange(image.width - self.CROP + 1)
+            top = rng.randrange(image.height - self.CROP + 1)
+            crop = image.crop((left, top, left + self.CROP, top + self.CROP))
+            pixels = torch.from_numpy(np.asarray(crop).copy())
+        return pixels.permute(2, 0, 1), index % 1000
+
+
+_JPEG_CACHE = {}
+
+
+def make_jpegs(count=256, quality=90):
+    """``count`` JPEG images (bytes) of seeded sizes and content.
+
+    Smooth colour fields with some noise rather than pure noise: closer to what a
+    photo costs to decode (pure noise makes the entropy decoder dominate). Made
+    once per process and count (a second call returns the same list).
+    """
+    key = (count, quality)
+    if key in _JPEG_CACHE:
+        return _JPEG_CACHE[key]
+    from io import BytesIO
+
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(_SEED)
+    sizes = [(256, 256), (320, 240), (384, 288), (400, 300), (448, 336), (512, 384)]
+    images = []
+    for _ in range(count):
+        width, height = sizes[int(rng.integers(len(sizes)))]
+        coarse = rng.integers(0, 256, (height // 16 + 1, width // 16 + 1, 3), dtype=np.uint8)
+        field = Image.fromarray(coarse).resize((width, height), Image.BILINEAR)
+        noisy = np.asarray(field).astype(np.int16) + rng.integers(-12, 13, (height, width, 3))
+        out = BytesIO()
+        Image.fromarray(noisy.clip(0, 255).astype(np.uint8)).save(out, "JPEG", quality=quality)
+        images.append(out.getvalue())
+    _JPEG_CACHE[key] = images
+    return images

@@ -18,8 +18,10 @@ Method, and why:
   10-20% on tiny batches), which would always penalise whichever ran first.
 """
 
+import dataclasses
 import gc
 import json
+import math
 import mmap
 import os
 import multiprocessing.forkserver
@@ -62,6 +64,15 @@ class RunResult:
     # not be read). Unlike wall time it hardly depends on what else the machine
     # runs, so it tells whether a loader adds work or merely got fewer cycles.
     workers_cpu_s: Optional[float] = None
+    # Whether the loader had worker processes in the timed window (threads and
+    # in-process loaders do their work in the main process: main_cpu_s has it all).
+    has_workers: bool = True
+    # Peak PSS of the main process + all its children during the run (None if not
+    # sampled), and of the main process alone.
+    peak_pss_bytes: Optional[int] = None
+    peak_main_pss_bytes: Optional[int] = None
+    # fastloader's shared ring arena per worker (its stats()), if it reports one.
+    arena_bytes_per_worker: Optional[list] = None
 
     @property
     def samples_per_s(self):
@@ -76,6 +87,13 @@ class RunResult:
         if self.workers_cpu_s is None:
             return None
         return self.workers_cpu_s / self.timed_samples * 1e6
+
+    @property
+    def total_cpu_us_per_sample(self):
+        """CPU of the main process (all its threads) + all workers, per timed sample."""
+        if self.has_workers and self.workers_cpu_s is None:
+            return None
+        return (self.main_cpu_s + (self.workers_cpu_s or 0.0)) / self.timed_samples * 1e6
 
 
 @dataclass(frozen=True)
@@ -141,25 +159,31 @@ def time_one_epoch(loader, warmup_batches):
     The last timestamp is taken right after the last batch is consumed, so the
     worker shutdown that follows the end of the epoch is not timed. The
     workers' CPU time is read (from /proc, ~0.1 ms) just before the window
-    opens and just after it closes, so reading it is not timed either.
+    opens and just after it closes, so reading it is not timed either. The
+    workers are looked up when the window opens (some loaders start their
+    processes lazily, or anew each epoch): the iterator's own list for the
+    DataLoaders, else every process this one started for the loader.
+    The checksum is the exactly rounded sum (math.fsum) of per-batch checksums,
+    so it does not depend on the order in which batches arrive.
     """
-    checksum = 0.0
+    batch_checksums = []
     timed_batches = timed_samples = timed_bytes = 0
     first_batch_s = timed_start = last_batch_end = cpu_start = cpu_end = None
     workers_cpu_start = workers_cpu_end = None
+    pids = []
+    arena = None
     index = -1
     start = time.perf_counter()
     iterator = iter(loader)
-    pids = iterator_worker_pids(iterator)
     try:
-        last_index = len(loader) - 1 if pids else -1
+        last_index = len(loader) - 1
     except TypeError:  # an IterableDataset without __len__: no worker CPU figure
         last_index = -1
     # Not enumerate(): its reused result tuple keeps the previous batch alive
     # while the next one is being fetched.
     for batch in iterator:
         index += 1
-        checksum += touch(batch)
+        batch_checksums.append(touch(batch))
         if index >= warmup_batches:
             timed_batches += 1
             timed_samples += batch_size_of(batch)
@@ -168,8 +192,11 @@ def time_one_epoch(loader, warmup_batches):
         # a buffer (a ring slot, for fastloader) that a real training loop
         # would have released by then.
         del batch
-        if index == warmup_batches - 1 and pids:
-            workers_cpu_start = workers_cpu_seconds(pids)
+        if index == warmup_batches - 1:
+            pids = iterator_worker_pids(iterator) or loader_child_pids()
+            arena = arena_bytes_per_worker(iterator)
+            if pids:
+                workers_cpu_start = workers_cpu_seconds(pids)
         now = time.perf_counter()
         if index == 0:
             first_batch_s = now - start
@@ -177,7 +204,9 @@ def time_one_epoch(loader, warmup_batches):
             timed_start, cpu_start = now, time.process_time()
         last_batch_end, cpu_end = now, time.process_time()
         if index == last_index:  # before the end of the epoch stops the workers
-            workers_cpu_end = workers_cpu_seconds(pids)
+            if pids:
+                workers_cpu_end = workers_cpu_seconds(pids)
+            arena = _max_per_worker(arena, arena_bytes_per_worker(iterator))
     del iterator
     if timed_batches == 0:
         raise ValueError(f"the epoch had no batches after {warmup_batches} warm-up batches")
@@ -191,9 +220,54 @@ def time_one_epoch(loader, warmup_batches):
         timed_samples=timed_samples,
         timed_bytes=timed_bytes,
         main_cpu_s=cpu_end - cpu_start,
-        checksum=checksum,
+        checksum=math.fsum(batch_checksums),
         workers_cpu_s=workers_cpu_s,
+        has_workers=bool(pids),
+        arena_bytes_per_worker=arena,
     )
+
+
+def time_steady_epoch(loader, warmup_batches):
+    """Steady state: a first, partial epoch starts the (persistent) workers, then a
+    whole second epoch is measured as ``time_one_epoch`` measures one.
+
+    The first epoch is cut after ``warmup_batches`` batches (dropping the
+    iterator mid-epoch, which every loader must handle); its time to the first
+    batch, cold workers included, is what the result reports as ``first_batch_s``.
+    """
+    start = time.perf_counter()
+    iterator = iter(loader)
+    first_batch_s = None
+    for index in range(warmup_batches):
+        batch = next(iterator, None)
+        if batch is None:
+            break
+        if index == 0:
+            first_batch_s = time.perf_counter() - start
+        touch(batch)
+        del batch
+    del iterator
+    result = time_one_epoch(loader, warmup_batches)
+    return dataclasses.replace(result, first_batch_s=first_batch_s)
+
+
+def _max_per_worker(first, second):
+    if first is None or second is None or len(first) != len(second):
+        return first if second is None else second
+    return [max(a, b) for a, b in zip(first, second)]
+
+
+def arena_bytes_per_worker(iterator):
+    """Shared arena bytes per worker from a fastloader iterator's stats(), if it has them."""
+    stats = getattr(iterator, "stats", None)
+    if stats is None:
+        return None
+    try:
+        workers = stats(memory=False).get("workers", [])
+    except Exception:  # noqa: BLE001 - a missing figure, not a benchmark failure
+        return None
+    values = [w.get("arena_bytes") for w in workers]
+    return None if not values or None in values else values
 
 
 @dataclass(frozen=True)
@@ -208,6 +282,8 @@ class NextCallResult:
     p90_us: float
     mean_us: float
     checksum: float
+    peak_pss_bytes: Optional[int] = None  # as in RunResult
+    peak_main_pss_bytes: Optional[int] = None
 
 
 def time_next_calls(loader, warmup_batches, consumer_sleep_s):
@@ -270,6 +346,24 @@ def iterator_worker_pids(iterator):
     return list(pids)
 
 
+# Processes that live for the whole benchmark (the PSS sampler): never a
+# loader's worker, never waited for.
+EXCLUDED_PIDS = set()
+# Children that existed before the loaders ran (set by run_alternating).
+_children_before = set()
+
+
+def loader_child_pids():
+    """Every live process below this one that a loader started: all descendants
+    but the multiprocessing helpers, the PSS sampler and what ran before."""
+    expected = _children_before | _multiprocessing_helper_pids() | EXCLUDED_PIDS
+    try:
+        children = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return []
+    return [child.pid for child in children if child.pid not in expected]
+
+
 def _multiprocessing_helper_pids():
     """The forkserver and resource tracker: started once, they live until exit.
 
@@ -290,7 +384,7 @@ def wait_for_workers_to_exit(children_before):
     to report, not something for the benchmark to hide.
     """
     gc.collect()  # an iterator caught in a reference cycle would keep its workers
-    expected = set(children_before) | _multiprocessing_helper_pids()
+    expected = set(children_before) | _multiprocessing_helper_pids() | EXCLUDED_PIDS
     lingering = [
         child
         for child in psutil.Process().children(recursive=True)
@@ -317,7 +411,7 @@ def warm_up(loader, batches):
 
 
 def run_alternating(build_loader, loader_classes, repeats, warmup_batches, on_run=None,
-                    measure=time_one_epoch):
+                    measure=time_one_epoch, pss_sampler=None, warm=True):
     """Time ``repeats`` epochs per loader class, alternating the classes.
 
     ``build_loader(cls)`` returns a fresh loader; ``loader_classes`` maps a
@@ -325,18 +419,30 @@ def run_alternating(build_loader, loader_classes, repeats, warmup_batches, on_ru
     runs one epoch and returns its result (``time_one_epoch`` by default).
     Returns ``{name: [result, ...]}``.
     ``on_run(repeat, name, result)`` is called after every run (for progress).
+    ``pss_sampler`` (a ``benchmarks.pss.PssSampler``), if given, samples the
+    PSS of the process tree from before the loader is built until its epoch
+    ends; the peak goes into the result. ``warm=False`` skips the untimed
+    epoch per loader class (for a caller that already ran one).
     """
     names = list(loader_classes)
     results = {name: [] for name in names}
     children_before = {child.pid for child in psutil.Process().children(recursive=True)}
-    for name in names:
+    _children_before.clear()
+    _children_before.update(children_before)
+    for name in names if warm else ():  # warm=False: the caller warmed them up
         warm_up(build_loader(loader_classes[name]), 2 * warmup_batches)
         wait_for_workers_to_exit(children_before)
     for repeat in range(repeats):
         order = names if repeat % 2 == 0 else names[::-1]
         for name in order:
+            if pss_sampler is not None:
+                pss_sampler.start()
             loader = build_loader(loader_classes[name])
             result = measure(loader, warmup_batches)
+            if pss_sampler is not None:
+                peak = pss_sampler.stop()
+                result = dataclasses.replace(result, peak_pss_bytes=peak["peak_bytes"],
+                                             peak_main_pss_bytes=peak["peak_main_bytes"])
             del loader
             wait_for_workers_to_exit(children_before)
             results[name].append(result)
@@ -349,6 +455,15 @@ def checksums_agree(results):
     """True if every run of every loader delivered the same data."""
     checksums = {run.checksum for runs in results.values() for run in runs}
     return len(checksums) == 1
+
+
+def loaders_agreeing(results, reference):
+    """name -> whether every run of that loader delivered what every run of
+    ``reference`` did (the reference: only if all its own runs agree)."""
+    expected = {run.checksum for run in results[reference]}
+    if len(expected) != 1:
+        return {name: False for name in results}
+    return {name: {run.checksum for run in runs} == expected for name, runs in results.items()}
 
 
 def markdown_table(headers, rows, align=None):

@@ -59,6 +59,8 @@ def parse_args(argv):
     parser.add_argument("--check", action="store_true",
                         help="exit with status 1 if a budget is clearly missed (by every repeat) "
                              "or the loaders' data differs")
+    parser.add_argument("--no-peers", dest="peers", action="store_false",
+                        help="throughput: fastloader and torch only (no torchdata, SPDL, ...)")
     parser.add_argument("-v", "--verbose", action="store_true", help="a progress line per run")
     return parser.parse_args(argv)
 
@@ -86,11 +88,14 @@ def main(argv=None):
     missed = False
 
     if "throughput" in args.only:
-        step_args = throughput.parse_args(_sub_argv(args) + verbose)
-        reports = throughput.run_workloads(step_args, fastloader_module, fastloader_cls,
-                                           step_prefix="throughput ")
-        summary["throughput"] = throughput.report_to_json(reports, step_args, fastloader_module)
-        sections.append("## Budgets\n\n" + throughput.render_report(reports, step_args))
+        step_args = throughput.parse_args(_sub_argv(args) + verbose
+                                          + ([] if args.peers else ["--no-peers"]))
+        reports, skipped, unavailable = throughput.run_workloads(
+            step_args, fastloader_module, fastloader_cls, step_prefix="throughput ")
+        summary["throughput"] = throughput.report_to_json(reports, step_args, fastloader_module,
+                                                          skipped, unavailable)
+        sections.append("## Budgets\n\n" + throughput.render_report(reports, step_args, skipped,
+                                                                     unavailable))
         missed = any(report.clearly_missed for report in reports)
 
     if "scaling" in args.only:

@@ -1,24 +1,33 @@
-"""Steady-state throughput of fastloader.DataLoader against torch's DataLoader.
+"""Steady-state throughput of fastloader.DataLoader against torch's DataLoader and peers.
 
     python -m benchmarks.throughput                  # full run (part of `python -m benchmarks.run`)
-    python -m benchmarks.throughput --quick          # smoke run, ~45 s
+    python -m benchmarks.throughput --quick          # smoke run, ~3 min with the peers
+    python -m benchmarks.throughput --no-peers       # fastloader and torch only
     python -m benchmarks.throughput --workloads tiny,image --repeats 7 --json out.json
     python -m benchmarks.throughput --context spawn
 
-Workloads (budgets from DESIGN.md, "Budgets", and issue 5):
+Workloads (budgets from DESIGN.md, "Budgets", and issues 5 and 14):
 
-    tiny           16 float32 + int label per sample          samples/s  >= 5.0x torch
+    tiny           16 float32 + int label per sample          samples/s  >= 5.0x torch,
+                                                                         efficiency >= 0.9
+    tiny_batched   tiny samples from __getitems__ (skipped    samples/s  >= 1.0x torch
+                   if datasets has no TinyBatchedDataset)
     image          uint8 3x224x224 + int label                MiB/s      >= 1.5x torch
     tokens         16-512 int64 tokens, padded into a dict    samples/s  >= 2.0x torch
-                   by a custom collate_fn
-    cpu            ~1 ms of pure Python per sample            samples/s  >= 1.0x torch
+                   by a custom collate_fn                                efficiency >= 0.9
+    cpu            ~1 ms of pure Python per sample            samples/s  >= 1.0x torch,
+                                                                         efficiency >= 0.9
+    decode         PIL JPEG decode + 224x224 crop + tensor    samples/s  >= 1.0x torch
     next_overhead  tiny samples, prefetch_factor 4, consumer  us/batch   <= 1/10 of torch's
                    sleeps 2.5 ms per batch: wall time of one
                    next() in the main process (median)
 
-Both loaders are built with the same arguments (batch 64, 2 workers, fork
+Every loader (fastloader, torch, and the peers of benchmarks.loaders: torchdata's
+StatefulDataLoader and nodes pipelines, SPDL's thread and subprocess pipelines)
+gets the same dataset object and arguments (batch 64, 2 workers or threads, fork
 unless --context says otherwise); fastloader runs with its default
-sharing_strategy. Progress goes to stderr, the Markdown report to stdout.
+sharing_strategy. next_overhead is fastloader and torch only. Efficiency and
+peak PSS (main + workers) are reported for every loader; see benchmarks/README.md. Progress goes to stderr, the Markdown report to stdout.
 The exit status is 0 unless --check is given and a budget is clearly missed.
 """
 
@@ -31,24 +40,32 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional
 
+import psutil
 import torch
 import torch.utils.data
 
-from benchmarks import datasets
+from benchmarks import datasets, loaders as loader_registry
 from benchmarks.harness import (
+    EXCLUDED_PIDS,
+    MIB,
     Stats,
-    checksums_agree,
     json_record,
+    loaders_agreeing,
     markdown_table,
     progress,
     run_alternating,
     time_next_calls,
-    time_one_epoch,
+    time_steady_epoch,
+    wait_for_workers_to_exit,
+    warm_up,
     write_json,
 )
+from benchmarks.loaders import FASTLOADER, IN_PROCESS, TORCH
+from benchmarks.pss import PssSampler
 
-FASTLOADER = "fastloader"
-TORCH = "torch"
+# Efficiency (DESIGN.md "Budgets"): steady-state epoch time of the loader against
+# the in-process epoch divided by min(workers, usable CPUs).
+EFFICIENCY_BUDGET = 0.9
 
 
 # The consumer's stand-in for a training step in the next_overhead workload:
@@ -69,14 +86,23 @@ class Workload:
     # Batches timed after the warm-up, sized for a timed window of ~3 s for
     # torch (~1 s with --quick) on the 2-core reference machine: long enough to
     # average out scheduler noise, short enough that a default run of all
-    # workloads stays under ~3 minutes and a quick one under a minute.
+    # workloads stays under ~15 minutes with the peers (8 loaders) and a quick
+    # one at a few minutes.
     timed_batches: int
     quick_timed_batches: int
     description: str = ""
     collate_fn: Optional[Callable] = None
     loader_kwargs: dict = field(default_factory=dict)  # on top of batch size, workers, context
     lower_is_better: bool = False
-    measure: Callable = time_one_epoch  # (loader, warmup_batches) -> result with .checksum
+    # (loader, warmup_batches) -> result with .checksum. The default runs a first
+    # partial epoch on persistent workers, then measures a whole second epoch.
+    measure: Callable = time_steady_epoch
+    persistent: bool = True
+    # Peers (torchdata, SPDL, ...) and the in-process baseline run this workload too.
+    with_peers: bool = True
+    efficiency_budget: Optional[float] = None
+    # None if the workload can run; else why not (reported, not silently dropped).
+    unavailable: Optional[Callable[[], Optional[str]]] = None
 
     @property
     def budget_text(self):
@@ -85,25 +111,47 @@ class Workload:
         return f">= {self.budget:.1f}x"
 
 
+def _tiny_batched(length):
+    return datasets.TinyBatchedDataset(length)
+
+
+def _tiny_batched_missing():
+    if getattr(datasets, "TinyBatchedDataset", None) is None:
+        return ("benchmarks.datasets has no TinyBatchedDataset (it comes with the batched-fetch "
+                "work, helper `fast`): workload skipped")
+    return None
+
+
+def _decode(length):
+    return datasets.JpegDataset(length, datasets.make_jpegs())
+
+
 WORKLOADS = {
     w.name: w
     for w in (
         Workload("tiny", datasets.TinyDataset, "samples/s", 5.0, 2500, 800,
-                 description="16 float32 + int label"),
+                 description="16 float32 + int label", efficiency_budget=EFFICIENCY_BUDGET),
+        Workload("tiny_batched", _tiny_batched, "samples/s", 1.0, 2500, 800,
+                 description="tiny samples from __getitems__ (fastloader.CollatedSamples)",
+                 unavailable=_tiny_batched_missing),
         Workload("image", datasets.ImageDataset, "MiB/s", 1.5, 600, 200,
                  description="uint8 3x224x224 + int label"),
         Workload("tokens", datasets.TokenDataset, "samples/s", 2.0, 1000, 350,
                  description="16-512 int64 tokens, custom collate pads into a dict",
-                 collate_fn=datasets.pad_tokens),
-        Workload("cpu", datasets.CpuBoundDataset, "samples/s", 1.0, 100, 32,
-                 description="~1 ms of pure Python per sample"),
+                 collate_fn=datasets.pad_tokens, efficiency_budget=EFFICIENCY_BUDGET),
+        Workload("cpu", datasets.CpuBoundDataset, "samples/s", 1.0, 100, 16,
+                 description="~1 ms of pure Python per sample",
+                 efficiency_budget=EFFICIENCY_BUDGET),
+        Workload("decode", _decode, "samples/s", 1.0, 40, 12,
+                 description="PIL JPEG decode (256x256-512x384) + 224x224 crop + to tensor"),
         # The timed window here is batches x (sleep + next()), ~1.5 s for both
         # loaders; only the next() calls inside it count.
         Workload("next_overhead", datasets.TinyDataset, "us/batch", 10.0, 600, 250,
                  description=f"main-process next() wall time, tiny samples, prefetch_factor 4, "
                              f"consumer sleeps {CONSUMER_SLEEP_S * 1e3:g} ms per batch",
                  loader_kwargs={"prefetch_factor": 4}, lower_is_better=True,
-                 measure=functools.partial(time_next_calls, consumer_sleep_s=CONSUMER_SLEEP_S)),
+                 measure=functools.partial(time_next_calls, consumer_sleep_s=CONSUMER_SLEEP_S),
+                 persistent=False, with_peers=False),
     )
 }
 
@@ -119,11 +167,23 @@ class WorkloadReport:
     # The same ratio within each repeat: the two runs of a repeat are adjacent
     # in time, so their ratio is the one least disturbed by drift.
     paired_ratios: Stats
-    data_agrees: bool
+    data_agrees: bool  # fastloader's and torch's data agree
     runs: dict  # loader name -> [RunResult]
     # Loader name -> Stats of the workers' CPU time per timed sample (us), or
     # None where it could not be read (or the workload does not time epochs).
     workers_cpu_us: dict
+    # Every loader that ran, torch included: name -> Stats of its per-repeat
+    # ratio to torch (higher is better).
+    ratios: dict = field(default_factory=dict)
+    # name -> whether its data matched torch's (False: its row is INVALID)
+    agrees: dict = field(default_factory=dict)
+    # name -> efficiency (None where there is no in-process baseline)
+    efficiency: dict = field(default_factory=dict)
+    total_cpu_us: dict = field(default_factory=dict)  # name -> Stats or None
+    peak_pss_mib: dict = field(default_factory=dict)  # name -> Stats or None
+    arena_mib: dict = field(default_factory=dict)  # name -> per-worker MiB list or None
+    not_run: dict = field(default_factory=dict)  # name -> why it did not run this workload
+    kinds: dict = field(default_factory=dict)  # name -> "processes" / "threads" / "in-process"
 
     @property
     def met(self):
@@ -142,6 +202,25 @@ class WorkloadReport:
             return "met"
         return "NOT met" if self.clearly_missed else "NOT met (within noise)"
 
+    @property
+    def efficiency_verdict(self):
+        value = self.efficiency.get(FASTLOADER)
+        budget = self.workload.efficiency_budget
+        if value is None:
+            return "-"
+        if budget is None:
+            return f"{value:.2f}"
+        return f"{value:.2f} ({'met' if value >= budget else 'NOT met'} >= {budget:g})"
+
+    def peers_ahead(self):
+        """Peers whose median ratio to torch beats fastloader's, with valid data."""
+        mine = self.ratios.get(FASTLOADER)
+        if mine is None:
+            return []
+        return [name for name, stats in self.ratios.items()
+                if name not in (FASTLOADER, TORCH, IN_PROCESS) and self.agrees.get(name)
+                and stats.median > mine.median]
+
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(
@@ -149,9 +228,9 @@ def parse_args(argv):
         description="Throughput of fastloader.DataLoader vs torch.utils.data.DataLoader.",
     )
     parser.add_argument("--quick", action="store_true",
-                        help="smoke run: fewer batches and 3 repeats (~45 s)")
+                        help="smoke run: fewer batches and 2 repeats (~3 min)")
     parser.add_argument("--repeats", type=_positive_int, default=None,
-                        help="runs per loader per workload (default 5, 3 with --quick)")
+                        help="runs per loader per workload (default 3, 2 with --quick)")
     parser.add_argument("--workloads", type=_workload_list, default=list(WORKLOADS),
                         help=f"comma-separated subset of {','.join(WORKLOADS)} (default: all)")
     parser.add_argument("--context", choices=("fork", "spawn", "forkserver"), default="fork",
@@ -162,10 +241,14 @@ def parse_args(argv):
     parser.add_argument("--check", action="store_true",
                         help="exit with status 1 if a budget is clearly missed (by every "
                              "repeat, not just the median) or the loaders' data differs")
+    parser.add_argument("--no-peers", dest="peers", action="store_false",
+                        help="fastloader and torch only (no torchdata, SPDL, ...)")
     parser.add_argument("-v", "--verbose", action="store_true", help="a progress line per run")
     args = parser.parse_args(argv)
     if args.repeats is None:
-        args.repeats = 3 if args.quick else 5
+        # 8 loaders per workload with the peers: 3 repeats keep a full run near 15
+        # min on 2 cores; --quick takes 2 (a smoke run, not a measurement).
+        args.repeats = 2 if args.quick else 3
     return args
 
 
@@ -224,35 +307,104 @@ def times_better(workload, fastloader_value, torch_value):
     return fastloader_value / torch_value
 
 
-def benchmark_workload(workload, args, loader_classes):
+def usable_cpus():
+    return len(os.sched_getaffinity(0))
+
+
+def _preflight(name, spec, build, warmup):
+    """Build the loader and take a few batches: None, or why this loader cannot run it."""
+    try:
+        warm_up(build(spec), 2 * warmup)
+    except Exception as error:  # noqa: BLE001 - reported in the table, never hidden
+        return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:200]
+    return None
+
+
+def benchmark_workload(workload, args, specs, pss_sampler=None):
+    """Run every loader in ``specs`` (name -> LoaderSpec) on ``workload``, alternating.
+
+    torch and fastloader always run; a peer that fails to build or to deliver
+    its first batches is reported as not run, with the error.
+    """
     warmup = warmup_batches(args.num_workers)
     timed = workload.quick_timed_batches if args.quick else workload.timed_batches
     # Exactly one epoch of warm-up plus timed batches, so every run ends by
     # exhausting its iterator, the way torch shuts its workers down normally.
     dataset = workload.make_dataset((warmup + timed) * args.batch_size)
-    loader_kwargs = dict(batch_size=args.batch_size, num_workers=args.num_workers,
-                         multiprocessing_context=args.context, **workload.loader_kwargs)
-    if workload.collate_fn is not None:
-        loader_kwargs["collate_fn"] = workload.collate_fn
+
+    def build(spec):
+        workers = 0 if spec.name == IN_PROCESS else args.num_workers
+        # loader_kwargs are DataLoader options (only workloads without peers have them)
+        extra = workload.loader_kwargs if workers > 0 else {}
+        return spec.build(dataset, batch_size=args.batch_size, num_workers=workers,
+                          collate_fn=workload.collate_fn, persistent=workload.persistent,
+                          context=args.context, **extra)
+
+    if not workload.with_peers:
+        specs = {name: spec for name, spec in specs.items() if name in (FASTLOADER, TORCH)}
+    not_run = {}
+    for name, spec in list(specs.items()):
+        ok, reason = spec.supports(workload.name)
+        if not ok:
+            not_run[name] = reason
+            del specs[name]
+    children_before = {child.pid for child in psutil.Process().children(recursive=True)}
+    # The untimed first epoch of every loader (see harness.run_alternating), which
+    # also finds the peers that cannot run this workload.
+    for name, spec in list(specs.items()):
+        if name in (FASTLOADER, TORCH):  # these must run: an error is the benchmark's
+            warm_up(build(spec), 2 * warmup)
+            wait_for_workers_to_exit(children_before)
+            continue
+        reason = _preflight(name, spec, build, warmup)
+        wait_for_workers_to_exit(children_before)
+        if reason is not None:
+            not_run[name] = reason
+            del specs[name]
+            progress(f"  {workload.name}: {name} cannot run it: {reason}")
 
     def on_run(repeat, name, result):
         if args.verbose:
-            progress(f"  {workload.name} repeat {repeat + 1}/{args.repeats} {name:<10} "
+            progress(f"  {workload.name} repeat {repeat + 1}/{args.repeats} {name:<16} "
                      f"{_format_rate(value_of(workload, result), workload.unit):>10} "
                      f"{workload.unit}, first batch {result.first_batch_s * 1e3:.0f} ms")
 
-    runs = run_alternating(lambda cls: cls(dataset, **loader_kwargs), loader_classes,
-                           args.repeats, warmup, on_run, measure=workload.measure)
+    runs = run_alternating(build, specs, args.repeats, warmup, on_run, measure=workload.measure,
+                           pss_sampler=pss_sampler, warm=False)
     value = {name: Stats.of(value_of(workload, r) for r in rs) for name, rs in runs.items()}
     first_batch_ms = {name: Stats.of(r.first_batch_s * 1e3 for r in rs) for name, rs in runs.items()}
-    workers_cpu_us = {}
+
+    def stats_or_none(rs, attribute):
+        values = [getattr(r, attribute, None) for r in rs]
+        return None if not values or None in values else Stats.of(values)
+
+    workers_cpu_us = {name: stats_or_none(rs, "workers_cpu_us_per_sample")
+                      for name, rs in runs.items()}
+    total_cpu_us = {name: stats_or_none(rs, "total_cpu_us_per_sample") for name, rs in runs.items()}
+    peak_pss_mib = {}
     for name, rs in runs.items():
-        per_sample = [getattr(r, "workers_cpu_us_per_sample", None) for r in rs]
-        workers_cpu_us[name] = None if None in per_sample else Stats.of(per_sample)
-    paired_ratios = Stats.of(
-        times_better(workload, value_of(workload, fast), value_of(workload, reference))
-        for fast, reference in zip(runs[FASTLOADER], runs[TORCH])
-    )
+        peaks = stats_or_none(rs, "peak_pss_bytes")
+        peak_pss_mib[name] = None if peaks is None else Stats(
+            peaks.median / MIB, peaks.low / MIB, peaks.high / MIB)
+    arena_mib = {}
+    for name, rs in runs.items():
+        last = getattr(rs[-1], "arena_bytes_per_worker", None) if rs else None
+        arena_mib[name] = None if last is None else [b / MIB for b in last]
+    ratios = {
+        name: Stats.of(times_better(workload, value_of(workload, mine), value_of(workload, ref))
+                       for mine, ref in zip(rs, runs[TORCH]))
+        for name, rs in runs.items()
+    }
+    agrees = loaders_agreeing(runs, TORCH)
+    efficiency = {}
+    baseline = value.get(IN_PROCESS)
+    parallel = min(args.num_workers, usable_cpus())
+    for name in runs:
+        if baseline is None or workload.lower_is_better or name == IN_PROCESS:
+            efficiency[name] = None
+        else:
+            efficiency[name] = value[name].median / (baseline.median * parallel)
+    paired_ratios = ratios[FASTLOADER]
     return WorkloadReport(
         workload=workload,
         value=value,
@@ -262,10 +414,23 @@ def benchmark_workload(workload, args, loader_classes):
         # load that comes and goes than the ratio of the two medians.
         ratio=paired_ratios.median,
         paired_ratios=paired_ratios,
-        data_agrees=checksums_agree(runs),
+        data_agrees=agrees[FASTLOADER] and agrees[TORCH],
         runs=runs,
         workers_cpu_us=workers_cpu_us,
+        ratios=ratios,
+        agrees=agrees,
+        efficiency=efficiency,
+        total_cpu_us=total_cpu_us,
+        peak_pss_mib=peak_pss_mib,
+        arena_mib=arena_mib,
+        not_run=not_run,
+        kinds={name: spec.kind for name, spec in specs.items()},
     )
+
+
+def skipped_workload_note(workload):
+    """Why ``workload`` cannot run in this checkout, or None."""
+    return workload.unavailable() if workload.unavailable is not None else None
 
 
 def _format_rate(value, unit):
@@ -285,9 +450,11 @@ def _format_cpu(workers_cpu_us):
     return f"{fast.median:,.{digits}f} / {reference.median:,.{digits}f}"
 
 
-def render_report(reports, args):
+def render_report(reports, args, skipped=None, unavailable=None):
+    """The budget table (fastloader vs torch), then every loader per workload."""
     headers = ["workload", "unit", "fastloader median (min-max)", "torch median (min-max)",
-               "ratio (per-repeat min-max)", "budget", "result", "1st batch ms fastloader / torch",
+               "ratio (per-repeat min-max)", "budget", "result",
+               "efficiency (budget)", "1st batch ms fastloader / torch",
                "worker CPU us/sample fastloader / torch"]
     rows = []
     for report in reports:
@@ -300,6 +467,7 @@ def render_report(reports, args):
             f"{report.ratio:.2f}x ({report.paired_ratios.low:.2f}-{report.paired_ratios.high:.2f})",
             report.workload.budget_text,
             report.verdict,
+            report.efficiency_verdict,
             f"{report.first_batch_ms[FASTLOADER].median:.0f} / {report.first_batch_ms[TORCH].median:.0f}",
             _format_cpu(report.workers_cpu_us),
         ])
@@ -307,17 +475,24 @@ def render_report(reports, args):
         "",
         f"{args.repeats} alternating repeat{'s' if args.repeats > 1 else ''} per loader, "
         f"{args.num_workers} workers, "
-        f"batch {args.batch_size}, start method {args.context}; throughput over the batches "
-        f"after {warmup_batches(args.num_workers)} warm-up batches "
-        f"({'quick' if args.quick else 'full'} run).",
+        f"batch {args.batch_size}, start method {args.context}; steady state: persistent "
+        f"workers, a first epoch cut after {warmup_batches(args.num_workers)} batches, then a "
+        f"whole second epoch timed after {warmup_batches(args.num_workers)} warm-up batches "
+        f"({'quick' if args.quick else 'full'} run). 1st batch: the first epoch's, workers "
+        "starting.",
         "Ratio = median over repeats of fastloader / torch within the repeat (for us/batch, a "
         "time: torch / fastloader, so higher is better everywhere); in brackets its range. "
         "\"Within noise\": the median misses the budget but some repeat meets it.",
+        f"Efficiency = rate / (in-process rate x min(workers, usable CPUs) = "
+        f"{min(args.num_workers, usable_cpus())}); in-process: fastloader.DataLoader("
+        "num_workers=0), the same runs. 1.0 = every core does the dataset's work and nothing "
+        "else.",
     ]
     if any(report.workload.lower_is_better for report in reports):
         notes.append(f"next_overhead: median wall time of one next() in the main process while "
                      f"the consumer sleeps {CONSUMER_SLEEP_S * 1e3:g} ms per batch (workers ahead, "
-                     f"prefetch_factor 4, tiny samples).")
+                     f"prefetch_factor 4, tiny samples, non-persistent workers, fastloader and "
+                     f"torch only).")
     for report in reports:
         if not report.data_agrees:
             notes.append(f"WARNING: {report.workload.name}: the loaders delivered different data "
@@ -325,7 +500,74 @@ def render_report(reports, args):
     notes.append("Worker CPU us/sample: user+system CPU time of all workers in the timed window "
                  "per sample (medians); unlike wall time it barely depends on the machine's other "
                  "load, so it shows whether a loader adds work or just got fewer cycles.")
-    return markdown_table(headers, rows, align="llrrrrlrr") + "\n" + "\n".join(notes)
+    for name, reason in (skipped or {}).items():
+        notes.append(f"NOT RUN: workload {name}: {reason}.")
+    text = markdown_table(headers, rows, align="llrrrrlrrr") + "\n" + "\n".join(notes)
+    peers = render_loaders_table(reports, args, unavailable or {})
+    return text + ("\n\n" + peers if peers else "")
+
+
+def _fmt_opt(stats, digits=1):
+    if stats is None:
+        return "-"
+    value = stats.median if isinstance(stats, Stats) else stats
+    return f"{value:,.{0 if value >= 100 else digits}f}"
+
+
+def render_loaders_table(reports, args, unavailable):
+    """Every loader on every workload, as ratio to torch: the side-by-side view."""
+    reports = [r for r in reports if len(r.runs) > 2 or r.not_run]
+    if not reports:
+        return ""
+    headers = ["workload", "loader", "runs in", "median (min-max)", "x torch (per-repeat min-max)",
+               "efficiency", "peak PSS MiB main+workers", "CPU us/sample all processes",
+               "1st batch ms", "data"]
+    rows = []
+    for report in reports:
+        unit = report.workload.unit
+        ordered = sorted(report.runs, key=lambda n: (n == IN_PROCESS, -report.ratios[n].median))
+        for name in ordered:
+            ratio = report.ratios[name]
+            pss = report.peak_pss_mib.get(name)
+            arena = report.arena_mib.get(name)
+            pss_text = "-" if pss is None else f"{pss.median:,.0f}"
+            if arena:
+                pss_text += f" (arena {'/'.join(f'{a:.2g}' if a < 10 else f'{a:.0f}' for a in arena)})"
+            rows.append([
+                report.workload.name, name, report.kinds.get(name, "?"),
+                f"{_format_stats(report.value[name], unit)} {unit}",
+                f"{ratio.median:.2f}x ({ratio.low:.2f}-{ratio.high:.2f})",
+                _fmt_opt(report.efficiency.get(name), 2),
+                pss_text,
+                _fmt_opt(report.total_cpu_us.get(name)),
+                f"{report.first_batch_ms[name].median:.0f}",
+                "ok" if report.agrees.get(name) else "INVALID: data differs",
+            ])
+        for name, reason in report.not_run.items():
+            rows.append([report.workload.name, name, "-", "not run", "-", "-", "-", "-", "-",
+                         "not run (see below)"])
+    notes = ["", "Every loader on the same dataset objects, interleaved in the same repeats "
+             "(order flipped every repeat); x torch: the loader's rate / torch's in the same "
+             "repeat (median, range). Peak PSS: the main process and every process it "
+             "started, sampled every 0.1 s from building the loader to the end of its epoch "
+             "(median over repeats); fastloader's shared ring arena per worker in brackets. "
+             "CPU: main process (all threads) + workers, per timed sample. 'in-process' is "
+             "the efficiency baseline (num_workers=0), not a competitor."]
+    for name, reason in unavailable.items():
+        notes.append(f"NOT RUN: {name}: {reason}.")
+    for report in reports:
+        for name, reason in report.not_run.items():
+            notes.append(f"NOT RUN: {report.workload.name}: {name} cannot run it: {reason}")
+    for report in reports:
+        ahead = report.peers_ahead()
+        if ahead:
+            notes.append(f"PEER WINS: {report.workload.name}: "
+                         + ", ".join(f"{n} {report.ratios[n].median:.2f}x" for n in ahead)
+                         + f" vs fastloader {report.ratios[FASTLOADER].median:.2f}x torch.")
+    if not any(report.peers_ahead() for report in reports):
+        notes.append("No peer is ahead of fastloader on any workload in this run.")
+    return ("### Every loader, side by side\n\n"
+            + markdown_table(headers, rows, align="lllrrrrrrl") + "\n" + "\n".join(notes))
 
 
 def environment(fastloader_module):
@@ -339,10 +581,17 @@ def environment(fastloader_module):
     }
 
 
-def report_to_json(reports, args, fastloader_module):
+def _stats_json(stats):
+    return None if stats is None else asdict(stats)
+
+
+def report_to_json(reports, args, fastloader_module, skipped=None, unavailable=None):
     return json_record(
         "throughput", environment(fastloader_module), args,
         warmup_batches=warmup_batches(args.num_workers),
+        usable_cpus=usable_cpus(),
+        skipped_workloads=skipped or {},
+        unavailable_loaders=unavailable or {},
         workloads=[
             {
                 "name": report.workload.name,
@@ -357,12 +606,27 @@ def report_to_json(reports, args, fastloader_module):
                 "clearly_missed": report.clearly_missed,
                 "verdict": report.verdict,
                 "data_agrees": report.data_agrees,
+                "efficiency_budget": report.workload.efficiency_budget,
                 "value": {name: asdict(stats) for name, stats in report.value.items()},
                 "first_batch_ms": {name: asdict(stats) for name, stats in report.first_batch_ms.items()},
                 "workers_cpu_us_per_sample": {
-                    name: None if stats is None else asdict(stats)
-                    for name, stats in report.workers_cpu_us.items()
+                    name: _stats_json(stats) for name, stats in report.workers_cpu_us.items()
                 },
+                # every loader that ran: ratio to torch, efficiency, memory, data check
+                "loaders": {
+                    name: {
+                        "kind": report.kinds.get(name),
+                        "ratio_to_torch": asdict(report.ratios[name]),
+                        "efficiency": report.efficiency.get(name),
+                        "peak_pss_mib": _stats_json(report.peak_pss_mib.get(name)),
+                        "arena_mib_per_worker": report.arena_mib.get(name),
+                        "total_cpu_us_per_sample": _stats_json(report.total_cpu_us.get(name)),
+                        "data_agrees": report.agrees.get(name),
+                    }
+                    for name in report.runs
+                },
+                "not_run": report.not_run,
+                "peers_ahead": report.peers_ahead(),
                 "runs": {name: [asdict(run) for run in runs] for name, runs in report.runs.items()},
             }
             for report in reports
@@ -371,32 +635,56 @@ def report_to_json(reports, args, fastloader_module):
 
 
 def run_workloads(args, fastloader_module, fastloader_cls, step_prefix=""):
-    """Benchmark ``args.workloads`` in order, a progress line each; returns the reports."""
-    loader_classes = {FASTLOADER: fastloader_cls, TORCH: torch.utils.data.DataLoader}
+    """Benchmark ``args.workloads`` in order, a progress line each.
+
+    Returns ``(reports, skipped, unavailable)``: the reports, workload -> why it
+    was not run, loader -> why it is not available here.
+    """
+    specs, unavailable = loader_registry.registry(fastloader_cls, include_peers=args.peers)
+    specs[IN_PROCESS] = loader_registry.in_process_spec(fastloader_cls)
     progress(f"fastloader {getattr(fastloader_module, '__version__', '?')} "
-             f"({fastloader_module.__file__}) vs torch {torch.__version__}; "
+             f"({fastloader_module.__file__}) vs torch {torch.__version__}"
+             f"{' and ' + ', '.join(n for n in specs if n not in (FASTLOADER, TORCH, IN_PROCESS)) if args.peers else ''}; "
              f"{args.num_workers} workers, {args.context}, {args.repeats} repeats")
-    reports = []
-    for position, name in enumerate(args.workloads, start=1):
-        started = time.perf_counter()
-        report = benchmark_workload(WORKLOADS[name], args, loader_classes)
-        reports.append(report)
-        unit = report.workload.unit
-        progress(f"{step_prefix}[{position}/{len(args.workloads)}] {name}: "
-                 f"fastloader {_format_rate(report.value[FASTLOADER].median, unit)} {unit}, "
-                 f"torch {_format_rate(report.value[TORCH].median, unit)} {unit}, "
-                 f"ratio {report.ratio:.2f}x ({report.verdict}) "
-                 f"in {time.perf_counter() - started:.0f} s")
-    return reports
+    for name, reason in unavailable.items():
+        progress(f"  {name} not available: {reason}")
+    reports, skipped = [], {}
+    sampler = PssSampler()
+    EXCLUDED_PIDS.add(sampler.pid)
+    try:
+        for position, name in enumerate(args.workloads, start=1):
+            workload = WORKLOADS[name]
+            reason = skipped_workload_note(workload)
+            if reason is not None:
+                skipped[name] = reason
+                progress(f"{step_prefix}[{position}/{len(args.workloads)}] {name}: skipped: {reason}")
+                continue
+            started = time.perf_counter()
+            report = benchmark_workload(workload, args, dict(specs), pss_sampler=sampler)
+            reports.append(report)
+            unit = report.workload.unit
+            others = ", ".join(f"{n} {report.ratios[n].median:.2f}x" for n in report.runs
+                               if n not in (FASTLOADER, TORCH))
+            progress(f"{step_prefix}[{position}/{len(args.workloads)}] {name}: "
+                     f"fastloader {_format_rate(report.value[FASTLOADER].median, unit)} {unit}, "
+                     f"torch {_format_rate(report.value[TORCH].median, unit)} {unit}, "
+                     f"ratio {report.ratio:.2f}x ({report.verdict})"
+                     f"{'; ' + others if others else ''} "
+                     f"in {time.perf_counter() - started:.0f} s")
+    finally:
+        sampler.close()
+        EXCLUDED_PIDS.discard(sampler.pid)
+    return reports, skipped, unavailable
 
 
 def main(argv=None):
     args = parse_args(argv)
     fastloader_module, fastloader_cls = import_fastloader()
-    reports = run_workloads(args, fastloader_module, fastloader_cls)
-    print(render_report(reports, args))
+    reports, skipped, unavailable = run_workloads(args, fastloader_module, fastloader_cls)
+    print(render_report(reports, args, skipped, unavailable))
     if args.json:
-        write_json(args.json, report_to_json(reports, args, fastloader_module))
+        write_json(args.json, report_to_json(reports, args, fastloader_module, skipped,
+                                             unavailable))
     if args.check and any(report.clearly_missed for report in reports):
         return 1
     return 0

@@ -1,0 +1,121 @@
+"""Peak PSS of a loader: the main process and every process it started, together.
+
+PSS (proportional set size) charges each shared page to the processes that map
+it in equal parts, so summing it over the main process and all workers counts
+shared memory once: the fair figure for "what does this loader cost the
+machine", whether it moves data through pipes, shared segments or threads.
+
+Sampling runs in a small separate process (``python -m benchmarks.pss``, psutil
+only, no torch): a thread in the main process would compete for the GIL with
+the loader being measured. It reads /proc/<pid>/smaps_rollup of the tree every
+``interval`` seconds between ``start()`` and ``stop()``, and ``stop()`` returns
+the peak of the sum. Its own pid is left out of the sum and of the harness's
+search for lingering workers.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+
+DEFAULT_INTERVAL_S = 0.1
+
+
+class PssSampler:
+    """Client: one sampler process for the whole benchmark, started and stopped per run."""
+
+    def __init__(self, interval_s=DEFAULT_INTERVAL_S):
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            p for p in (root, os.environ.get("PYTHONPATH")) if p))
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.pss", str(os.getpid()), str(interval_s)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=root, env=env)
+        self.pid = self.process.pid
+        self._ask("ping")
+
+    def _ask(self, command):
+        self.process.stdin.write(command + "\n")
+        self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the PSS sampler (pid {self.pid}) exited")
+        return json.loads(line)
+
+    def start(self):
+        self._ask("start")
+
+    def stop(self):
+        """{"peak_bytes": main + workers, "peak_main_bytes": main alone, "samples": n}."""
+        return self._ask("stop")
+
+    def close(self):
+        if self.process.poll() is None:
+            self.process.stdin.close()
+            self.process.wait(timeout=10)
+
+
+def _tree_pss(root, own_pid):
+    """(PSS of root + its descendants, PSS of root) in bytes; vanished processes skipped."""
+    total = main = 0
+    try:
+        processes = [root] + root.children(recursive=True)
+    except psutil.Error:
+        return 0, 0
+    for process in processes:
+        if process.pid == own_pid:
+            continue
+        try:
+            pss = process.memory_full_info().pss
+        except psutil.Error:
+            continue  # a worker that exited between the listing and the read
+        total += pss
+        if process.pid == root.pid:
+            main = pss
+    return total, main
+
+
+def _serve(root_pid, interval_s):
+    root = psutil.Process(root_pid)
+    own_pid = os.getpid()
+    state = {"peak": 0, "peak_main": 0, "samples": 0}
+    lock = threading.Lock()
+    sampling = threading.Event()
+
+    def sample_loop():
+        while True:
+            sampling.wait()
+            total, main = _tree_pss(root, own_pid)
+            with lock:
+                if sampling.is_set():
+                    state["peak"] = max(state["peak"], total)
+                    state["peak_main"] = max(state["peak_main"], main)
+                    state["samples"] += 1
+            time.sleep(interval_s)
+
+    threading.Thread(target=sample_loop, daemon=True).start()
+    for line in sys.stdin:
+        command = line.strip()
+        if command == "start":
+            with lock:
+                state.update(peak=0, peak_main=0, samples=0)
+            sampling.set()
+            reply = {}
+        elif command == "stop":
+            sampling.clear()
+            total, main = _tree_pss(root, own_pid)  # at least one sample, even for a short run
+            with lock:
+                reply = {"peak_bytes": max(state["peak"], total),
+                         "peak_main_bytes": max(state["peak_main"], main),
+                         "samples": state["samples"] + 1}
+        else:
+            reply = {}
+        print(json.dumps(reply), flush=True)
+
+
+if __name__ == "__main__":
+    _serve(int(sys.argv[1]), float(sys.argv[2]))
