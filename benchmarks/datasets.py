@@ -9,9 +9,9 @@ the harness can compare checksums of what each loader delivered: a loader that
 is fast because it returns the wrong bytes must not go unnoticed.
 """
 
-import numpy as np
 import random
 
+import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import Dataset
@@ -169,6 +169,8 @@ class TinyBatchedDataset(TinyDataset):
         index = torch.from_numpy(np.asarray(indices, dtype=np.int64))
         return CollatedSamples((self.features.index_select(0, index),
                                  self.labels.index_select(0, index)))
+
+
 class JpegDataset(Dataset):
     """JPEG decode + random crop + to tensor: what an image-classification loader does.
 
