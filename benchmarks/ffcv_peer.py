@@ -460,3 +460,11 @@ def main(argv=None):
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def loaders():
+    """The throughput benchmark's peer protocol (benchmarks.loaders): FFCV reads a
+    .beton written from the dataset, not the dataset itself, and builds in its own
+    venv, so it is never run inside `make bench`; the report says where it is."""
+    return {}, {FFCV: "measured by `make bench-ffcv` (FFCV reads a .beton and builds in "
+                      "its own venv .venv-ffcv), see benchmarks/README.md"}
