@@ -434,41 +434,48 @@ view_tolist(PyObject *self, PyObject *Py_UNUSED(ignored))
     return out;
 }
 
+PyDoc_STRVAR(view_getitems_doc,
+"__getitems__($self, indices, /)\n--\n\nReturns list.\n"
+"[self[i] for i in indices], in one C call: torch's fetcher calls it for a batch\n"
+"(the list then goes to collate_fn). Each index means what it means to self[i],\n"
+"errors included.");
+
 PyDoc_STRVAR(view_take_doc,
 "take($self, indices)\n--\n\nReturns list.\n"
-"[self[i] for i in indices], in C: for a dataset's __getitems__.");
+"[self[i] for i in indices], in C (the same as __getitems__).");
 
+/* [self[i] for i in indices]: every key goes through view_subscript, so that every
+ * index, and every error, is exactly self[key]'s. */
 static PyObject *
-view_take(PyObject *self, PyObject *indices)
+view_getitems(PyObject *self, PyObject *indices)
 {
-    PackedViewObject *v = VIEW(self);
-    PyObject *out = NULL, *seq = PySequence_Fast(indices, "take() needs a sequence of indices");
-    if (seq == NULL)
+    /* A tuple of our own: decoding a pickled record or an __index__ method runs
+     * Python code, which could shrink a list we were walking. (A list copies in
+     * O(n) pointers; a non-iterable fails as a comprehension over it would.) */
+    PyObject *keys = PyTuple_CheckExact(indices) ? Py_NewRef(indices) : PySequence_Tuple(indices);
+    if (keys == NULL)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    out = PyList_New(n);
+    /* A subclass that overrides __getitem__ gets its own __getitem__ per key: a
+     * batch is then what torch would have built from it, one sample at a time. */
+    int own = PyType_GetSlot(Py_TYPE(self), Py_mp_subscript) == (void *)view_subscript;
+    Py_ssize_t n = PyTuple_GET_SIZE(keys);
+    PyObject *out = PyList_New(n);
     if (out == NULL)
         goto fail;
     for (Py_ssize_t j = 0; j < n; j++) {
-        Py_ssize_t k = PyNumber_AsSsize_t(PySequence_Fast_GET_ITEM(seq, j), PyExc_IndexError);
-        if (k == -1 && PyErr_Occurred())
-            goto fail;
-        if (k < 0)
-            k += v->len;
-        if (k < 0 || k >= v->len) {
-            index_error(v);
-            goto fail;
-        }
-        PyObject *item = view_item_at(v, k);
+        /* view_subscript tries an exact int first: a sampler's index costs a
+         * conversion, a bounds check and the decode, no Python call */
+        PyObject *key = PyTuple_GET_ITEM(keys, j);
+        PyObject *item = own ? view_subscript(self, key) : PyObject_GetItem(self, key);
         if (item == NULL)
             goto fail;
         PyList_SET_ITEM(out, j, item);
     }
-    Py_DECREF(seq);
+    Py_DECREF(keys);
     return out;
 fail:
     Py_XDECREF(out);
-    Py_DECREF(seq);
+    Py_DECREF(keys);
     return NULL;
 }
 
@@ -678,7 +685,8 @@ static PyGetSetDef view_getset[] = {
 
 static PyMethodDef view_methods[] = {
     {"tolist", view_tolist, METH_NOARGS, view_tolist_doc},
-    {"take", view_take, METH_O, view_take_doc},
+    {"take", view_getitems, METH_O, view_take_doc},
+    {"__getitems__", view_getitems, METH_O, view_getitems_doc},
     {"validate", view_validate, METH_NOARGS, view_validate_doc},
     {"_serialize", view_serialize, METH_NOARGS, view_serialize_doc},
     {"_equal_items", view_equal_items, METH_O, view_equal_doc},

@@ -511,6 +511,8 @@ class PackedStringArray(_PackedBase):
     ``a[i]`` returns a str (negative indices work), ``a[i:j:k]`` a view sharing the
     segment; ``len``, iteration, ``in``, ``==`` (with another packed array, a list or
     a tuple), ``.nbytes``, ``.tolist()``, ``.take(indices)``, ``.save(path)``.
+    ``__getitems__(indices)`` (the same as take) lets torch's fetcher read a batch in
+    one C call: ``[a[i] for i in indices]``, with the same items and errors.
     Strings are encoded with ``surrogateescape``, so file names that are not valid
     UTF-8 round-trip exactly as ``os.listdir`` returns them.
     """
