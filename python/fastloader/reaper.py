@@ -1,0 +1,136 @@
+"""Worker teardown off the training loop's path.
+
+When an epoch ends (or an iterator is dropped), its workers are told to stop and
+the loop goes on at once; joining them there would block it for as long as the
+workers take to exit (tens of ms on a busy box: the kernel tears down each
+forked address space). A retired pool is handed to this module instead: one
+daemon thread, alive only while there is something to wait for, waits for the
+workers' exits (their sentinels; the wait releases the GIL), lets the pool release
+what the workers shared with it, reaps them (no zombie is left), and escalates
+to SIGTERM/SIGKILL for a worker that does not stop by its pool's deadline.
+
+A job is any object with ``wait_fds() -> list of fds`` (readable when something
+happened) and ``step(now) -> bool`` (do what can be done now; True when
+finished). pool.WorkerPool is the only one; this module knows nothing about it.
+
+Interpreter exit waits here (see ``drain``), so no worker outlives the program; a
+forked child starts with no jobs and no thread (the parent's are not its own)."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from multiprocessing.connection import wait as _wait_fds
+
+__all__ = ["retire", "wait_idle", "drain", "pending"]
+
+# How often the thread looks again even if no fd woke it: new jobs, deadlines,
+# and a worker whose sentinel the user closed.
+_POLL_S = 0.05
+# A job whose step keeps failing is given up after this many tries (its pool
+# falls back to interpreter exit / garbage collection), never retried forever.
+_MAX_FAILURES = 3
+
+
+class _State:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.jobs: list = []
+        self.failures: dict = {}
+        self.thread = None
+        self.last_thread = None   # the thread that finished last, to join
+        self.idle = threading.Event()
+        self.idle.set()
+
+
+_state = _State()
+
+
+def _after_fork_in_child():
+    global _state
+    _state = _State()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def retire(job) -> None:
+    """Hand `job` to the reaper thread (started if it is not running)."""
+    st = _state
+    with st.lock:
+        st.jobs.append(job)
+        st.idle.clear()
+        if st.thread is None:
+            st.thread = threading.Thread(target=_run, args=(st,),
+                                         name="fastloader-reaper", daemon=True)
+            st.thread.start()
+
+
+def pending() -> int:
+    """How many retired pools are still being waited for."""
+    with _state.lock:
+        return len(_state.jobs)
+
+
+def wait_idle(timeout: float) -> bool:
+    """Wait until every retired pool is finished and the thread has exited;
+    False if that took longer than `timeout` seconds."""
+    st = _state
+    end = time.monotonic() + timeout
+    if not st.idle.wait(timeout):
+        return False
+    with st.lock:
+        thread = st.thread if st.jobs else None
+        last = st.last_thread
+    if thread is not None:
+        return False
+    if last is not None and last is not threading.current_thread():
+        last.join(max(0.0, end - time.monotonic()))
+        return not last.is_alive()
+    return True
+
+
+def drain(timeout: float) -> bool:
+    """At interpreter exit: give every retired pool at most `timeout` seconds
+    more, then wait for them (see wait_idle)."""
+    with _state.lock:
+        jobs = list(_state.jobs)
+    for job in jobs:
+        shorten = getattr(job, "hurry", None)
+        if shorten is not None:
+            shorten(timeout)
+    return wait_idle(timeout + 2.0)
+
+
+def _run(st: _State) -> None:
+    while True:
+        with st.lock:
+            jobs = list(st.jobs)
+            if not jobs:
+                st.last_thread, st.thread = st.thread, None
+                st.idle.set()
+                return
+        fds = []
+        for job in jobs:
+            try:
+                fds.extend(job.wait_fds())
+            except Exception:
+                pass
+        try:
+            if fds:
+                _wait_fds(fds, _POLL_S)
+            else:
+                time.sleep(_POLL_S)
+        except (OSError, ValueError):   # an fd closed under us: look again shortly
+            time.sleep(0.001)
+        now = time.monotonic()
+        for job in jobs:
+            try:
+                done = job.step(now)
+            except Exception:
+                st.failures[id(job)] = st.failures.get(id(job), 0) + 1
+                done = st.failures[id(job)] >= _MAX_FAILURES
+            if done:
+                with st.lock:
+                    st.jobs.remove(job)
+                    st.failures.pop(id(job), None)
