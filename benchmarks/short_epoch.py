@@ -23,6 +23,11 @@ pays for another's exiting workers. A back-to-back figure (epochs with no wait
 in between, as a loop of short validation epochs runs) is taken too.
 Figures are medians over the repeats; the ratio is the median of the
 per-repeat ratios torch / fastloader (above 1: fastloader faster).
+Both loaders run in a process that has ``numpy.random`` loaded already (as a
+script using NumPy has): a forked worker seeds NumPy as torch does, and would
+otherwise import it in every worker of every epoch (~20 ms; fastloader loads it
+once in the main process before forking, which would flatter torch's later runs
+in the same process anyway).
 Budgets (issue 14): a 10-batch epoch >= 2x torch's speed; teardown blocks the
 loop <= 5 ms.
 """
@@ -35,6 +40,7 @@ import sys
 import time
 import warnings
 
+import numpy.random  # noqa: F401  (see the docstring: both loaders start with it loaded)
 import psutil
 import torch
 

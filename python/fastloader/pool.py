@@ -8,6 +8,7 @@ from C through a pidfd per worker; this module turns a death into a clear error.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import os
 import pickle
@@ -115,6 +116,21 @@ _PICKLE_HINT = (
     "You can also try multiprocessing.set_start_method('fork').")
 
 
+@contextlib.contextmanager
+def _reaper_thread_is_fork_safe(method):
+    """Python 3.12+ warns at fork() when the process has other threads. While the
+    reaper thread (reaper.py) waits for a past epoch's workers, that warning is
+    about our own thread, which holds no lock a child could need (the child
+    starts with a fresh reaper state): do not let it fire for it."""
+    if method != "fork" or not reaper.busy():
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"This process \(pid=\d+\) is multi-threaded",
+                                category=DeprecationWarning)
+        yield
+
+
 class WorkerPool:
     def __init__(self, context, specs, strategy: str, task_capacity: int,
                  result_capacity: int):
@@ -198,7 +214,8 @@ class WorkerPool:
             except BaseException as exc:   # re-raised below, in the caller's thread
                 errors[i] = exc
 
-        with children_ignore_sigint(), loader_strategy(self.strategy_name):
+        with children_ignore_sigint(), loader_strategy(self.strategy_name), \
+                _reaper_thread_is_fork_safe(method):
             self._start_procs(procs, start)
         self._record_started(procs, errors, method)
 

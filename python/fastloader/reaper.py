@@ -4,7 +4,7 @@ When an epoch ends (or an iterator is dropped), its workers are told to stop and
 the loop goes on at once; joining them there would block it for as long as the
 workers take to exit (tens of ms on a busy box: the kernel tears down each
 forked address space). A retired pool is handed to this module instead: one
-daemon thread, alive only while there is something to wait for, waits for the
+thread, alive only while there is something to wait for, waits for the
 workers' exits (their sentinels; the wait releases the GIL), lets the pool release
 what the workers shared with it, reaps them (no zombie is left), and escalates
 to SIGTERM/SIGKILL for a worker that does not stop by its pool's deadline.
@@ -17,12 +17,13 @@ Interpreter exit waits here (see ``drain``), so no worker outlives the program; 
 forked child starts with no jobs and no thread (the parent's are not its own)."""
 from __future__ import annotations
 
+import _thread
 import os
 import threading
 import time
 from multiprocessing.connection import wait as _wait_fds
 
-__all__ = ["retire", "wait_idle", "drain", "pending"]
+__all__ = ["retire", "wait_idle", "drain", "pending", "busy"]
 
 # How often the thread looks again even if no fd woke it: new jobs, deadlines,
 # and a worker whose sentinel the user closed.
@@ -37,8 +38,8 @@ class _State:
         self.lock = threading.Lock()
         self.jobs: list = []
         self.failures: dict = {}
-        self.thread = None
-        self.last_thread = None   # the thread that finished last, to join
+        self.running = False
+        self.tids: set = set()   # native ids of reaper threads that may not have exited
         self.idle = threading.Event()
         self.idle.set()
 
@@ -55,15 +56,23 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def retire(job) -> None:
-    """Hand `job` to the reaper thread (started if it is not running)."""
+    """Hand `job` to the reaper thread (started if it is not running).
+
+    The thread is started with _thread, not threading.Thread: Thread.start()
+    waits until the new thread runs, which on a busy box (the workers that were
+    just told to stop are exiting on the same cores) blocked the training loop
+    for several ms; here nobody waits for it."""
     st = _state
     with st.lock:
         st.jobs.append(job)
         st.idle.clear()
-        if st.thread is None:
-            st.thread = threading.Thread(target=_run, args=(st,),
-                                         name="fastloader-reaper", daemon=True)
-            st.thread.start()
+        if not st.running:
+            st.running = True
+            try:
+                _thread.start_new_thread(_run, (st,))
+            except BaseException:
+                st.running = False
+                raise
 
 
 def pending() -> int:
@@ -72,22 +81,34 @@ def pending() -> int:
         return len(_state.jobs)
 
 
+def busy() -> bool:
+    """Whether a reaper thread may be running now."""
+    st = _state
+    with st.lock:
+        return st.running or bool(st.tids and _tids_alive(st))
+
+
+def _tids_alive(st: _State) -> bool:
+    st.tids = {tid for tid in st.tids if os.path.exists(f"/proc/self/task/{tid}")}
+    return bool(st.tids)
+
+
 def wait_idle(timeout: float) -> bool:
-    """Wait until every retired pool is finished and the thread has exited;
-    False if that took longer than `timeout` seconds."""
+    """Wait until every retired pool is finished and the reaper thread has
+    exited; False if that took longer than `timeout` seconds."""
     st = _state
     end = time.monotonic() + timeout
     if not st.idle.wait(timeout):
         return False
-    with st.lock:
-        thread = st.thread if st.jobs else None
-        last = st.last_thread
-    if thread is not None:
-        return False
-    if last is not None and last is not threading.current_thread():
-        last.join(max(0.0, end - time.monotonic()))
-        return not last.is_alive()
-    return True
+    while True:
+        with st.lock:
+            if st.jobs:
+                return False   # retired meanwhile: not idle
+            if not _tids_alive(st):
+                return True
+        if time.monotonic() >= end:
+            return False
+        time.sleep(0.001)
 
 
 def drain(timeout: float) -> bool:
@@ -103,11 +124,21 @@ def drain(timeout: float) -> bool:
 
 
 def _run(st: _State) -> None:
+    with st.lock:
+        st.tids.add(_thread.get_native_id())
+    try:
+        _loop(st)
+    except BaseException:   # never expected; the next retire() starts a new thread
+        with st.lock:
+            st.running = False
+
+
+def _loop(st: _State) -> None:
     while True:
         with st.lock:
             jobs = list(st.jobs)
             if not jobs:
-                st.last_thread, st.thread = st.thread, None
+                st.running = False
                 st.idle.set()
                 return
         fds = []
