@@ -127,6 +127,7 @@ def measure(methods, repeats, chain, step_prefix=""):
         loaders = {name: _build(name, method) for name in LOADERS}
         parts = {name: {p: [] for p in PARTS} for name in LOADERS}
         chained = {name: [] for name in LOADERS}
+        arena = []   # fastloader: ring memory reserved per worker, from loader.stats()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             for name in LOADERS:   # untimed: lazy imports and first-use set-up
@@ -139,6 +140,8 @@ def measure(methods, repeats, chain, step_prefix=""):
                     _wait_gone(pids)
                     for p in PARTS:
                         parts[name][p].append(got[p])
+                    if name == "fastloader":
+                        arena.append(loaders[name].stats()["arena_reserved_bytes"] / WORKERS)
                 progress(f"{step_prefix}{method} repeat {repeat + 1}/{repeats}: " + ", ".join(
                     f"{name} epoch {parts[name]['epoch'][-1] * 1e3:.1f} ms "
                     f"(teardown {parts[name]['teardown'][-1] * 1e3:.1f})" for name in LOADERS))
@@ -149,7 +152,8 @@ def measure(methods, repeats, chain, step_prefix=""):
                     time.sleep(0.2)   # the last epoch's workers leave
         del loaders
         gc.collect()
-        results[method] = {"parts": parts, "back_to_back": chained}
+        results[method] = {"parts": parts, "back_to_back": chained,
+                           "arena_reserved_bytes_per_worker": arena}
     return results
 
 
@@ -174,7 +178,8 @@ def _ms(values):
 
 def render_report(results, repeats, chain):
     headers = ["start method", "loader", "iter() ms", "first batch ms", "teardown ms",
-               "10-batch epoch ms", "speed vs torch", f"back-to-back ms/epoch ({chain})"]
+               "10-batch epoch ms", "speed vs torch", f"back-to-back ms/epoch ({chain})",
+               "ring memory/worker KiB"]
     rows = []
     for method, res in results.items():
         v = verdict(res)
@@ -183,9 +188,11 @@ def render_report(results, repeats, chain):
             speed = (f"{v['epoch_speedup']:.2f}x ({v['epoch_speedup_range'][0]:.2f}-"
                      f"{v['epoch_speedup_range'][1]:.2f})" if name == "fastloader" else "1.00x")
             chained = res["back_to_back"][name]
+            arena = res.get("arena_reserved_bytes_per_worker") if name == "fastloader" else None
             rows.append([method, name, _ms(p["iter"]), _ms(p["first"]), _ms(p["teardown"]),
                          _ms(p["epoch"]), speed,
-                         f"{statistics.median(chained) * 1e3:.1f}" if chained else "-"])
+                         f"{statistics.median(chained) * 1e3:.1f}" if chained else "-",
+                         f"{statistics.median(arena) / 1024:.0f}" if arena else "-"])
     notes = []
     for method, res in results.items():
         v = verdict(res)
@@ -195,9 +202,10 @@ def render_report(results, repeats, chain):
                      f" (max {v['teardown_max_s'] * 1e3:.1f} ms)")
     note = (f"\nTiny samples, batch {BATCH}, {WORKERS} workers, {BATCHES} batches, "
             f"non-persistent workers; medians (min-max) over {repeats} alternating repeats in "
-            "one process. Speed: median of per-repeat torch/fastloader epoch ratios.\n"
+            "one process. Speed: median of per-repeat torch/fastloader epoch ratios. Ring memory: "
+            "fastloader's `arena_reserved_bytes` per worker (shared memory its ring holds).\n"
             + "\n".join(notes))
-    return markdown_table(headers, rows, align="llrrrrrr") + note
+    return markdown_table(headers, rows, align="llrrrrrrr") + note
 
 
 def report_to_json(results, args, environment=None):
