@@ -13,7 +13,9 @@ parts, on the main thread, as the training loop sees them:
 - ``teardown``: from the last batch in hand to the loop being free again: the
   ``next()`` that raises StopIteration plus ``del`` of the iterator (the time the
   iterator's end blocks the loop);
-- ``epoch``: the whole thing, ``iter()`` to after the ``del``.
+- ``epoch``: the whole thing, ``iter()`` to after the ``del``;
+- CPU time (rusage, robust to other load): the main process's over the timed
+  epoch, and the workers' over their whole lives (taken once they are reaped).
 
 Workload: tiny samples (16 floats + an int label), batch 64, 2 workers, 10
 batches. torch's DataLoader and fastloader alternate (the order flips every
@@ -41,6 +43,8 @@ import time
 import warnings
 
 import numpy.random  # noqa: F401  (see the docstring: both loaders start with it loaded)
+import resource
+
 import psutil
 import torch
 
@@ -52,7 +56,7 @@ BATCH = 64
 BATCHES = 10
 EPOCH_BUDGET = 2.0        # fastloader epoch >= 2x torch's speed
 TEARDOWN_BUDGET_S = 0.005
-PARTS = ("iter", "first", "teardown", "epoch")
+PARTS = ("iter", "first", "teardown", "epoch", "main_cpu", "workers_cpu")
 LOADERS = ("torch", "fastloader")
 
 
@@ -70,17 +74,21 @@ def _build(name, method):
 
 
 def _wait_gone(pids, timeout=10.0):
-    """Untimed: until these workers no longer run. Never reaps them (a zombie
-    counts as gone): reaping belongs to the loader that started them."""
+    """Untimed: until these workers are gone and reaped (by the loader that
+    started them: never here), so that their CPU time is in RUSAGE_CHILDREN."""
     end = time.monotonic() + timeout
     for pid in pids:
         while time.monotonic() < end:
             try:
-                if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                    break
+                psutil.Process(pid)
             except psutil.NoSuchProcess:
                 break
             time.sleep(0.001)
+
+
+def _cpu_s(who):
+    usage = resource.getrusage(who)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _pids(it):
@@ -136,8 +144,15 @@ def measure(methods, repeats, chain, step_prefix=""):
                 order = LOADERS if repeat % 2 == 0 else LOADERS[::-1]
                 for name in order:
                     gc.collect()
+                    main0 = _cpu_s(resource.RUSAGE_SELF)
+                    workers0 = _cpu_s(resource.RUSAGE_CHILDREN)
                     got, pids = time_epoch(loaders[name])
+                    main1 = _cpu_s(resource.RUSAGE_SELF)
                     _wait_gone(pids)
+                    # CPU of the epoch, whatever else the box runs: the main process
+                    # until the loop was free again, and the workers' whole lives
+                    got["main_cpu"] = main1 - main0
+                    got["workers_cpu"] = _cpu_s(resource.RUSAGE_CHILDREN) - workers0
                     for p in PARTS:
                         parts[name][p].append(got[p])
                     if name == "fastloader":
@@ -179,7 +194,7 @@ def _ms(values):
 def render_report(results, repeats, chain):
     headers = ["start method", "loader", "iter() ms", "first batch ms", "teardown ms",
                "10-batch epoch ms", "speed vs torch", f"back-to-back ms/epoch ({chain})",
-               "ring memory/worker KiB"]
+               "CPU ms/epoch main + workers", "ring memory/worker KiB"]
     rows = []
     for method, res in results.items():
         v = verdict(res)
@@ -192,6 +207,8 @@ def render_report(results, repeats, chain):
             rows.append([method, name, _ms(p["iter"]), _ms(p["first"]), _ms(p["teardown"]),
                          _ms(p["epoch"]), speed,
                          f"{statistics.median(chained) * 1e3:.1f}" if chained else "-",
+                         f"{statistics.median(p['main_cpu']) * 1e3:.0f} + "
+                         f"{statistics.median(p['workers_cpu']) * 1e3:.0f}",
                          f"{statistics.median(arena) / 1024:.0f}" if arena else "-"])
     notes = []
     for method, res in results.items():
@@ -203,9 +220,11 @@ def render_report(results, repeats, chain):
     note = (f"\nTiny samples, batch {BATCH}, {WORKERS} workers, {BATCHES} batches, "
             f"non-persistent workers; medians (min-max) over {repeats} alternating repeats in "
             "one process. Speed: median of per-repeat torch/fastloader epoch ratios. Ring memory: "
-            "fastloader's `arena_reserved_bytes` per worker (shared memory its ring holds).\n"
+            "fastloader's `arena_reserved_bytes` per worker (shared memory its ring holds). CPU: "
+            "rusage of the main process over the timed epoch, and of the epoch's workers over "
+            "their lives (robust to a busy box).\n"
             + "\n".join(notes))
-    return markdown_table(headers, rows, align="llrrrrrrr") + note
+    return markdown_table(headers, rows, align="llrrrrrrrr") + note
 
 
 def report_to_json(results, args, environment=None):
