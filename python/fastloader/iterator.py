@@ -258,7 +258,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
                     self._stats_printed = True
                     _stats.print_summary(self.stats(memory=False))
                 if not self._persistent_workers:
-                    self._shutdown_workers()
+                    self._shutdown_workers(deferred=True)
                 raise StopIteration
 
             if len(self._task_info[self._rcvd_idx]) == 2:
@@ -349,14 +349,22 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         self._workers_status[worker_id] = False
 
     # -- shutdown ---------------------------------------------------------------------
-    def _shutdown_workers(self, grace=5.0):
+    def _shutdown_workers(self, grace=5.0, deferred=False):
+        """Stop the workers. `deferred` (an epoch's end, a dropped iterator): tell
+        them to stop and return; reaper.py waits for and reaps them off the
+        training loop's path. Otherwise (Ctrl-C, a death, and torch's own callers
+        of this method) wait for them here, terminating those still busy after
+        `grace` seconds."""
         if self._shutdown:
             return
         self._shutdown = True
         self._leave_state_with_loader()
         pool = self._pool
         if pool is not None:
-            pool.shutdown(timeout=grace)
+            if deferred:
+                pool.retire(timeout=grace)
+            else:
+                pool.shutdown(timeout=grace)
 
     def _leave_state_with_loader(self):
         # the loader answers state_dict() after this iterator is gone (an epoch
@@ -372,6 +380,6 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
 
     def __del__(self):
         try:
-            self._shutdown_workers()
+            self._shutdown_workers(deferred=True)
         except Exception:   # interpreter teardown: modules may already be gone
             pass

@@ -8,6 +8,7 @@ from C through a pidfd per worker; this module turns a death into a clear error.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import os
 import pickle
@@ -20,7 +21,8 @@ from multiprocessing import reduction
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from . import _core, forkserver, payload, sharing, shm_sweep
+from . import _core, forkserver, payload, reaper, sharing, shm_sweep
+from .fork_prep import prepare_for_fork
 from .distributed import rank_info
 from .packed import loader_strategy, starting_strategy
 from .protocol import TASK_SHUTDOWN
@@ -114,6 +116,21 @@ _PICKLE_HINT = (
     "You can also try multiprocessing.set_start_method('fork').")
 
 
+@contextlib.contextmanager
+def _reaper_thread_is_fork_safe(method):
+    """Python 3.12+ warns at fork() when the process has other threads. While the
+    reaper thread (reaper.py) waits for a past epoch's workers, that warning is
+    about our own thread, which holds no lock a child could need (the child
+    starts with a fresh reaper state): do not let it fire for it."""
+    if method != "fork" or not reaper.busy():
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"This process \(pid=\d+\) is multi-threaded",
+                                category=DeprecationWarning)
+        yield
+
+
 class WorkerPool:
     def __init__(self, context, specs, strategy: str, task_capacity: int,
                  result_capacity: int):
@@ -124,6 +141,9 @@ class WorkerPool:
         self.procs: list = []
         self._pids: list = []
         self._closed = False
+        self._channels_released = False
+        self._deadline = 0.0
+        self._escalated = 0
         if self.strategy_name == "file_system":
             # segments a SIGKILLed loader of ours left behind (see shm_sweep.py)
             shm_sweep.sweep_dead_loaders()
@@ -140,6 +160,8 @@ class WorkerPool:
         method = context.get_start_method()
         if method == "forkserver":
             forkserver.add_preload()   # in case the loader did not start it already
+        if method == "fork":
+            prepare_for_fork()
         if method == "fork" or len(specs) == 1:
             # One at a time: a forked worker inherits every fd open at that moment,
             # and should not hold its later siblings' channel ends.
@@ -192,7 +214,8 @@ class WorkerPool:
             except BaseException as exc:   # re-raised below, in the caller's thread
                 errors[i] = exc
 
-        with children_ignore_sigint(), loader_strategy(self.strategy_name):
+        with children_ignore_sigint(), loader_strategy(self.strategy_name), \
+                _reaper_thread_is_fork_safe(method):
             self._start_procs(procs, start)
         self._record_started(procs, errors, method)
 
@@ -262,11 +285,13 @@ class WorkerPool:
         if not ch.closed:
             ch.put_task(TASK_SHUTDOWN, -1)
 
-    def shutdown(self, timeout: float = 5.0):
+    def _tell_workers_to_stop(self) -> bool:
+        """First step of every shutdown; False if it is not ours to do (done
+        already, or in a forked child that holds a copy of this object)."""
         # A forked worker holds a copy of this object; if its garbage collector
         # ever reaches it, it must not stop its siblings.
         if self._closed or os.getpid() != self.owner_pid:
-            return
+            return False
         self._closed = True
         for ch in self.channels:
             ch.watch = False
@@ -275,6 +300,12 @@ class WorkerPool:
                     ch.put_task(TASK_SHUTDOWN, -1)
                 except Exception:
                     pass   # a full ring: the worker gets terminated below
+        return True
+
+    def shutdown(self, timeout: float = 5.0):
+        """Stop the workers and wait for them (failure paths: Ctrl-C, a death)."""
+        if not self._tell_workers_to_stop():
+            return
         deadline = time.monotonic() + timeout
         for proc in self.procs:
             proc.join(max(0.0, deadline - time.monotonic()))
@@ -285,9 +316,7 @@ class WorkerPool:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-        for ch in self.channels:
-            MAIN_FDS.difference_update(ch.main_fds())
-            ch.close()
+        self._release_channels()
         for proc in self.procs:
             try:
                 proc.close()
@@ -295,6 +324,50 @@ class WorkerPool:
                 pass
         with _LIVE_LOCK:
             _LIVE_POOLS.discard(self)
+
+    def _release_channels(self):
+        for ch in self.channels:
+            MAIN_FDS.difference_update(ch.main_fds())
+            ch.close()
+
+    # -- deferred shutdown (reaper.py) ----------------------------------------------------
+    def retire(self, timeout: float = 5.0):
+        """Tell the workers to stop and return at once: the reaper thread waits for
+        them, releases the channels (named segments are removed only once no
+        worker can make one), reaps them, and terminates (then kills) one still
+        running `timeout` seconds from now."""
+        if not self._tell_workers_to_stop():
+            return
+        self._deadline = time.monotonic() + timeout
+        self._escalated = 0
+        reaper.retire(self)
+
+    def hurry(self, seconds: float):
+        """Interpreter exit: no more than `seconds` before escalating."""
+        self._deadline = min(self._deadline, time.monotonic() + seconds)
+
+    def wait_fds(self):
+        return [fd for fd in (p.exit_fd() for p in self.procs) if fd is not None]
+
+    def step(self, now: float) -> bool:
+        running = [p for p in self.procs if not p.has_exited()]
+        if running and now >= self._deadline:
+            # as shutdown(): SIGTERM first, SIGKILL a second later
+            sig = signal.SIGTERM if self._escalated == 0 else signal.SIGKILL
+            if self._escalated < 2 and now >= self._deadline + self._escalated:
+                for p in running:
+                    p.signal_nowait(sig)
+                self._escalated += 1
+        if running:
+            return False
+        if not self._channels_released:
+            self._channels_released = True
+            self._release_channels()
+        if not all(p.reap_and_close() for p in self.procs):
+            return False   # a join elsewhere holds one: look again shortly
+        with _LIVE_LOCK:
+            _LIVE_POOLS.discard(self)
+        return True
 
 
 @atexit.register
@@ -308,3 +381,5 @@ def _shutdown_all():
             pool.shutdown(timeout=2.0)
         except Exception:
             pass
+    # pools retired earlier (epochs that ended): their workers were told to stop
+    reaper.drain(2.0)

@@ -7,9 +7,17 @@ too, but it closes them at shutdown to give back their sentinel fds at once, aft
 which a ``multiprocessing.Process`` raises ``ValueError`` on ``pid`` or ``exitcode``.
 torch's workers stay readable after the iterator shut them down, so the pool keeps
 each one in a ``WorkerProcess``: the Process surface, still answering (pid, name,
-exit code) once closed, and never signalling a pid that may have been reused."""
+exit code) once closed, and never signalling a pid that may have been reused.
+
+The pool's reaper thread (reaper.py) reaps and closes a worker after its epoch,
+while user code may be joining or reading it: a lock makes close and every
+read of the process object one step each (``join`` waits without it where it can,
+and the reaper then leaves the close to the next look)."""
 from __future__ import annotations
 
+import os
+import threading
+from multiprocessing.connection import wait as _wait_fds
 from multiprocessing.process import BaseProcess
 from typing import Optional
 
@@ -26,7 +34,7 @@ class WorkerProcess(BaseProcess):
     the process is never registered as a child of this one (active_children() and
     multiprocessing's cleanup leave it to the pool, which reaps it)."""
 
-    __slots__ = ("_proc", "_pid", "_name", "_daemon", "_exitcode", "_closed")
+    __slots__ = ("_proc", "_pid", "_name", "_daemon", "_exitcode", "_closed", "_lock")
 
     def __init__(self, proc):  # noqa: D107 -- BaseProcess.__init__ deliberately not called
         self._proc = proc
@@ -35,6 +43,7 @@ class WorkerProcess(BaseProcess):
         self._daemon = proc.daemon
         self._exitcode: Optional[int] = None
         self._closed = False
+        self._lock = threading.Lock()
 
     # -- identity (kept after close) --------------------------------------------------
     @property
@@ -75,36 +84,94 @@ class WorkerProcess(BaseProcess):
     @property
     def exitcode(self) -> Optional[int]:
         """None while running; the exit status, or -N for a death by signal N."""
-        if not self._closed:
-            self._exitcode = self._proc.exitcode
-        return self._exitcode
+        with self._lock:
+            if not self._closed:
+                self._exitcode = self._proc.exitcode
+            return self._exitcode
 
     def is_alive(self) -> bool:
-        return not self._closed and self._proc.is_alive()
+        with self._lock:
+            return not self._closed and self._proc.is_alive()
 
     def join(self, timeout: Optional[float] = None) -> None:
-        if not self._closed:
-            self._proc.join(timeout)
-            self._exitcode = self._proc.exitcode
+        # held while waiting: the reaper never closes the sentinel being waited on
+        with self._lock:
+            if not self._closed:
+                self._proc.join(timeout)
+                self._exitcode = self._proc.exitcode
 
     # -- signals: only while the process is ours (not yet reaped) -----------------------
     def terminate(self) -> None:
-        if not self._closed:
-            self._proc.terminate()
+        with self._lock:
+            if not self._closed:
+                self._proc.terminate()
 
     def kill(self) -> None:
-        if not self._closed:
-            self._proc.kill()
+        with self._lock:
+            if not self._closed:
+                self._proc.kill()
 
     def close(self) -> None:
         """Release the process object's resources (its sentinel fd). Raises
         ValueError, as multiprocessing does, while the process still runs."""
+        with self._lock:
+            self._close_locked()
+
+    def _close_locked(self) -> None:
         if self._closed:
             return
         code = self._proc.exitcode
         self._proc.close()   # raises while the process runs: nothing changes then
         self._exitcode = code
         self._closed = True
+
+    # -- for the pool's reaper -------------------------------------------------------------
+    def reap_and_close(self) -> bool:
+        """Reap the process and close it if it has exited; never blocks (a join in
+        progress elsewhere does the reaping). True once closed."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            if not self._closed and self._proc.exitcode is not None:
+                self._close_locked()
+            return self._closed
+        finally:
+            self._lock.release()
+
+    def signal_nowait(self, sig: int) -> None:
+        """Send `sig` unless the process was reaped; never waits for the lock (a
+        join holding it has not reaped the process yet, so the pid is still ours)."""
+        locked = self._lock.acquire(blocking=False)
+        try:
+            if locked and (self._closed or self._proc.exitcode is not None):
+                return
+            try:
+                os.kill(self._pid, sig)
+            except ProcessLookupError:
+                pass
+        finally:
+            if locked:
+                self._lock.release()
+
+    def has_exited(self) -> bool:
+        """Whether the process has exited (reaped or not); never blocks, and says
+        False while a join elsewhere holds the lock (it is then still to be reaped)."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            return self._closed or self._proc.exitcode is not None or bool(
+                _wait_fds([self._proc.sentinel], 0))
+        finally:
+            self._lock.release()
+
+    def exit_fd(self) -> Optional[int]:
+        """The sentinel to wait on until the process exits; None once closed."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            return None if self._closed else self._proc.sentinel
+        finally:
+            self._lock.release()
 
     def __repr__(self) -> str:
         code = self.exitcode

@@ -13,6 +13,7 @@ import numpy as np
 import psutil
 import torch
 
+from fastloader import reaper
 from fastloader.sharing import NAME_ROOT, parse_segment_name
 
 SHM_GLOB = f"/dev/shm/{NAME_ROOT}-*"
@@ -249,8 +250,11 @@ def assert_no_shm_left(before, timeout=5):
 
 
 def settle():
-    """Drop garbage (iterators in reference cycles) before measuring."""
+    """Drop garbage (iterators in reference cycles) before measuring, and let
+    the workers of ended epochs be reaped (their teardown is deferred to
+    fastloader's reaper thread, which exits once it has nothing to wait for)."""
     gc.collect()
+    reaper.wait_idle(10)
 
 
 def assert_names_dead_worker(error, worker_id, pid, cause):

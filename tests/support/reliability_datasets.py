@@ -202,3 +202,16 @@ def limit_file_size_init(worker_id):
     one fails (EFBIG) as it would when the memory for it is exhausted. (Python starts
     with SIGXFSZ ignored, so the worker is not killed by it.)"""
     resource.setrlimit(resource.RLIMIT_FSIZE, (FSIZE_LIMIT, resource.RLIM_INFINITY))
+
+
+def _sleep_at_exit(seconds):
+    time.sleep(seconds)
+
+
+def slow_exit_init(seconds, worker_id):
+    """worker_init_fn (bind `seconds` with functools.partial): the worker's exit
+    then takes `seconds` (a multiprocessing finalizer run as the process exits),
+    as a worker tearing down a big address space or a dataset's files does."""
+    from multiprocessing import util
+
+    util.Finalize(None, _sleep_at_exit, args=(seconds,), exitpriority=0)

@@ -105,10 +105,18 @@ def test_one_big_batch_reserves_about_its_size(strategy):
     assert w["arena_bytes"] >= 5 * nbytes
     assert nbytes <= w["arena_reserved_bytes"] <= nbytes + (1 << 20), w
     assert stats["arena_reserved_bytes"] == w["arena_reserved_bytes"]
-    # and the segment really holds no more than that
+    # and the segment really holds that, as /proc shows it: its pages (st_blocks)
+    # are what stats() reports as reserved, and its mapping spans arena_bytes
     (addr, size), = it.segments()
-    start, end, _ = vma_of(addr)
-    assert allocated_bytes(start, end) <= w["arena_reserved_bytes"] + (1 << 20)
+    start, end, inode = vma_of(addr)
+    assert end - start == size == w["arena_bytes"]
+    held = allocated_bytes(start, end)
+    assert w["arena_reserved_bytes"] - (64 << 10) <= held <= w["arena_reserved_bytes"] + (1 << 20)
+    assert held <= nbytes + (2 << 20), "more than the one batch in flight is reserved"
+    # the worker maps the very same segment (one copy of the pages, not one per side)
+    with open(f"/proc/{w['pid']}/maps") as f:
+        worker_vmas = [line for line in f if line.split()[4:5] == [str(inode)]]
+    assert worker_vmas, "the worker does not map the arena the main process received"
     del batch
     for _ in it:
         pass

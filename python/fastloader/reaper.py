@@ -1,0 +1,167 @@
+"""Worker teardown off the training loop's path.
+
+When an epoch ends (or an iterator is dropped), its workers are told to stop and
+the loop goes on at once; joining them there would block it for as long as the
+workers take to exit (tens of ms on a busy box: the kernel tears down each
+forked address space). A retired pool is handed to this module instead: one
+thread, alive only while there is something to wait for, waits for the
+workers' exits (their sentinels; the wait releases the GIL), lets the pool release
+what the workers shared with it, reaps them (no zombie is left), and escalates
+to SIGTERM/SIGKILL for a worker that does not stop by its pool's deadline.
+
+A job is any object with ``wait_fds() -> list of fds`` (readable when something
+happened) and ``step(now) -> bool`` (do what can be done now; True when
+finished). pool.WorkerPool is the only one; this module knows nothing about it.
+
+Interpreter exit waits here (see ``drain``), so no worker outlives the program; a
+forked child starts with no jobs and no thread (the parent's are not its own)."""
+from __future__ import annotations
+
+import _thread
+import os
+import threading
+import time
+from multiprocessing.connection import wait as _wait_fds
+
+__all__ = ["retire", "wait_idle", "drain", "pending", "busy"]
+
+# How often the thread looks again even if no fd woke it: new jobs, deadlines,
+# and a worker whose sentinel the user closed.
+_POLL_S = 0.05
+# A job whose step keeps failing is given up after this many tries (its pool
+# falls back to interpreter exit / garbage collection), never retried forever.
+_MAX_FAILURES = 3
+
+
+class _State:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.jobs: list = []
+        self.failures: dict = {}
+        self.running = False
+        self.tids: set = set()   # native ids of reaper threads that may not have exited
+        self.idle = threading.Event()
+        self.idle.set()
+
+
+_state = _State()
+
+
+def _after_fork_in_child():
+    global _state
+    _state = _State()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def retire(job) -> None:
+    """Hand `job` to the reaper thread (started if it is not running).
+
+    The thread is started with _thread, not threading.Thread: Thread.start()
+    waits until the new thread runs, which on a busy box (the workers that were
+    just told to stop are exiting on the same cores) blocked the training loop
+    for several ms; here nobody waits for it."""
+    st = _state
+    with st.lock:
+        st.jobs.append(job)
+        st.idle.clear()
+        if not st.running:
+            st.running = True
+            try:
+                _thread.start_new_thread(_run, (st,))
+            except BaseException:
+                st.running = False
+                raise
+
+
+def pending() -> int:
+    """How many retired pools are still being waited for."""
+    with _state.lock:
+        return len(_state.jobs)
+
+
+def busy() -> bool:
+    """Whether a reaper thread may be running now."""
+    st = _state
+    with st.lock:
+        return st.running or bool(st.tids and _tids_alive(st))
+
+
+def _tids_alive(st: _State) -> bool:
+    st.tids = {tid for tid in st.tids if os.path.exists(f"/proc/self/task/{tid}")}
+    return bool(st.tids)
+
+
+def wait_idle(timeout: float) -> bool:
+    """Wait until every retired pool is finished and the reaper thread has
+    exited; False if that took longer than `timeout` seconds."""
+    st = _state
+    end = time.monotonic() + timeout
+    if not st.idle.wait(timeout):
+        return False
+    while True:
+        with st.lock:
+            if st.jobs:
+                return False   # retired meanwhile: not idle
+            if not _tids_alive(st):
+                return True
+        if time.monotonic() >= end:
+            return False
+        time.sleep(0.001)
+
+
+def drain(timeout: float) -> bool:
+    """At interpreter exit: give every retired pool at most `timeout` seconds
+    more, then wait for them (see wait_idle)."""
+    with _state.lock:
+        jobs = list(_state.jobs)
+    for job in jobs:
+        shorten = getattr(job, "hurry", None)
+        if shorten is not None:
+            shorten(timeout)
+    return wait_idle(timeout + 2.0)
+
+
+def _run(st: _State) -> None:
+    with st.lock:
+        st.tids.add(_thread.get_native_id())
+    try:
+        _loop(st)
+    except BaseException:   # never expected; the next retire() starts a new thread
+        with st.lock:
+            st.running = False
+
+
+def _loop(st: _State) -> None:
+    while True:
+        with st.lock:
+            jobs = list(st.jobs)
+            if not jobs:
+                st.running = False
+                st.idle.set()
+                return
+        fds = []
+        for job in jobs:
+            try:
+                fds.extend(job.wait_fds())
+            except Exception:
+                pass
+        try:
+            if fds:
+                _wait_fds(fds, _POLL_S)
+            else:
+                time.sleep(_POLL_S)
+        except (OSError, ValueError):   # an fd closed under us: look again shortly
+            time.sleep(0.001)
+        now = time.monotonic()
+        for job in jobs:
+            try:
+                done = job.step(now)
+            except Exception:
+                st.failures[id(job)] = st.failures.get(id(job), 0) + 1
+                done = st.failures[id(job)] >= _MAX_FAILURES
+            if done:
+                with st.lock:
+                    st.jobs.remove(job)
+                    st.failures.pop(id(job), None)

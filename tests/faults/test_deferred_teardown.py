@@ -1,0 +1,174 @@
+"""An epoch's end does not wait for its workers to exit (reaper.py does, off the
+training loop's path), yet nothing is left behind: every worker is reaped (no
+zombie), fds, mappings, threads and /dev/shm come back to where they were, a worker
+that does not stop is terminated, interpreter exit right after an epoch waits for
+the exiting workers, and errors are raised as before.
+
+Deferred means: the StopIteration (or the `del`) returns while the workers are
+still running their exit; these tests make that exit slow (a finalizer that
+sleeps) so that this is a state to observe, not a timing to assert."""
+import functools
+import os
+import signal
+
+import psutil
+import pytest
+
+from fastloader import DataLoader, reaper
+from tests.support import datasets as ds
+from tests.support import reliability_datasets as rd
+from tests.support.fault_helpers import QUIET_WORKER_COUNT_WARNING, STRATEGIES, run_script
+from tests.support.helpers import (
+    assert_no_shm_left, deadline, is_gone, is_reaped, loader_children, num_fds, num_maps,
+    settle, shm_names, wait_until,
+)
+
+pytestmark = [QUIET_WORKER_COUNT_WARNING]
+
+
+def _running(pid):
+    return not is_gone(pid)
+
+
+@pytest.mark.parametrize("how", ["exhaust", "del"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_epoch_end_returns_while_workers_still_exit(how, strategy):
+    shm0 = shm_names()
+    loader = DataLoader(rd.SmallDataset(n=16), batch_size=4, num_workers=2,
+                        multiprocessing_context="fork", sharing_strategy=strategy,
+                        worker_init_fn=functools.partial(rd.slow_exit_init, 3.0))
+    with deadline(60):
+        it = iter(loader)
+        pids = list(it.worker_pids)
+        if how == "exhaust":
+            assert len(list(it)) == 4
+        else:
+            next(it)
+        del it
+        # the loop is free again, and the workers are still in their (3 s) exit
+        assert all(_running(p) for p in pids), "teardown waited for the workers"
+        assert reaper.pending() == 1
+        settle()   # waits for the reaper
+    assert all(is_reaped(p) for p in pids), [p for p in pids if not is_reaped(p)]
+    assert reaper.pending() == 0
+    assert_no_shm_left(shm0)
+
+
+def test_many_short_epochs_leave_nothing_behind():
+    """200 ten-batch epochs, back to back (the next one starts while the last
+    one's workers exit), both strategies: no zombie, fd, mapping, thread or
+    segment more than before."""
+    loaders = [DataLoader(rd.SmallDataset(n=40), batch_size=4, num_workers=2,
+                          multiprocessing_context="fork", sharing_strategy=s)
+               for s in STRATEGIES]
+
+    def epoch(i):
+        got = [int(y[0]) for _x, y in loaders[i % 2]]
+        assert got == list(range(0, 40, 4)), got
+
+    def measure():
+        settle()
+        return (num_fds(), num_maps(), psutil.Process().num_threads(), loader_children(),
+                shm_names())
+
+    with deadline(240, "200 short epochs"):
+        for i in range(4):
+            epoch(i)
+        fds0, maps0, threads0, children0, shm0 = measure()
+        zombies_seen = 0
+        for i in range(200):
+            epoch(i)
+            # never more than the epochs whose workers are still exiting
+            zombies_seen = max(zombies_seen, sum(
+                1 for c in psutil.Process().children()
+                if c.status() == psutil.STATUS_ZOMBIE))
+        fds1, maps1, threads1, children1, shm1 = measure()
+    assert not (children1 - children0), f"processes left: {sorted(children1 - children0)}"
+    assert fds1 - fds0 <= 2, f"fds grew from {fds0} to {fds1}"
+    assert maps1 - maps0 <= 8, f"mappings grew from {maps0} to {maps1}"
+    assert threads1 <= threads0, f"threads grew from {threads0} to {threads1}"
+    assert not (shm1 - shm0), sorted(shm1 - shm0)
+    assert zombies_seen <= 4, f"{zombies_seen} zombies at once: workers are not reaped"
+
+
+def test_a_worker_that_does_not_stop_is_terminated_by_the_reaper():
+    """The deferred teardown keeps shutdown's bound: terminated after 5 s."""
+    loader = DataLoader(rd.SmallDataset(n=8), batch_size=4, num_workers=1,
+                        multiprocessing_context="fork",
+                        worker_init_fn=functools.partial(rd.slow_exit_init, 120.0))
+    with deadline(60):
+        it = iter(loader)
+        (worker,) = it._workers
+        assert len(list(it)) == 2
+        assert _running(worker.pid) and reaper.pending() == 1
+        assert reaper.wait_idle(20), "the reaper did not end a worker that ignored shutdown"
+    assert is_reaped(worker.pid)
+    assert worker.exitcode == -signal.SIGTERM
+    del it
+
+
+@pytest.mark.parametrize("how", ["exhaust", "break"])
+def test_interpreter_exit_right_after_an_epoch(subprocess_env, how):
+    """The program ends while the last epoch's workers are still exiting: exit
+    waits for them (no orphan, no zombie), says nothing, leaves no segment."""
+    shm_before = shm_names()
+    loop_end = "pass" if how == "exhaust" else "break"
+    result = run_script(f"""
+        import functools
+        from fastloader import DataLoader
+        from tests.support.reliability_datasets import SmallDataset, slow_exit_init
+        pids = []
+        for strategy in ("file_descriptor", "file_system"):
+            loader = DataLoader(SmallDataset(n=16), batch_size=4, num_workers=2,
+                                multiprocessing_context="fork", sharing_strategy=strategy,
+                                worker_init_fn=functools.partial(slow_exit_init, 1.0))
+            it = iter(loader)
+            pids += it.worker_pids
+            for batch in it:
+                {loop_end}
+            del it, batch
+        print(" ".join(map(str, pids)), flush=True)
+    """, subprocess_env)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == "", f"output at exit:\n{result.stderr}"
+    pids = [int(p) for p in result.stdout.split()]
+    assert len(pids) == 4, result.stdout
+    # gone when the interpreter is: exit waited for them
+    assert all(is_gone(p) for p in pids), [p for p in pids if not is_gone(p)]
+    assert_no_shm_left(shm_before, timeout=0)
+
+
+def test_an_error_in_the_last_batch_is_still_raised():
+    """A short epoch whose last batch fails: the error is raised where torch raises
+    it; dropping the iterator then tears down off the path, leaving nothing."""
+    shm0 = shm_names()
+    loader = DataLoader(ds.RaisingDataset(n=20, bad_index=19), batch_size=4, num_workers=2,
+                        multiprocessing_context="fork")
+    with deadline(60):
+        it = iter(loader)
+        pids = list(it.worker_pids)
+        got = [next(it) for _ in range(4)]
+        with pytest.raises(ValueError, match="bad sample 19"):
+            next(it)
+        assert [int(b[0]) for b in got] == [0, 4, 8, 12]
+        del it, got
+        settle()
+    assert all(is_reaped(p) for p in pids)
+    assert_no_shm_left(shm0)
+
+
+def test_a_worker_death_is_still_reported_and_reaped():
+    loader = DataLoader(rd.SmallDataset(n=400), batch_size=4, num_workers=2,
+                        multiprocessing_context="fork")
+    with deadline(60):
+        it = iter(loader)
+        next(it)
+        victim = it.worker_pids[0]
+        os.kill(victim, signal.SIGKILL)
+        with pytest.raises(RuntimeError, match=f"pid {victim}.*SIGKILL"):
+            for _ in it:
+                pass
+        pids = list(it.worker_pids)
+        del it
+        settle()
+    assert wait_until(lambda: all(is_reaped(p) for p in pids), 5)
