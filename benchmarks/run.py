@@ -14,6 +14,8 @@ Steps, in order (``--only`` picks a subset):
     startup     time to the first batch under spawn and forkserver, 2M packed
                 names vs torch with a list, each in a fresh interpreter
                 (benchmarks.startup)
+    short_epoch 10-batch epochs with non-persistent workers: iter(), first
+                batch, teardown, whole epoch, fork and spawn (benchmarks.short_epoch)
     charts      throughput.png, scaling.png, memory.png (benchmarks.charts)
 
 Writes ``summary.json`` and the PNGs into ``--out-dir`` (default
@@ -30,10 +32,10 @@ import time
 
 import torch
 
-from benchmarks import charts, memory, scaling, startup, throughput
+from benchmarks import charts, memory, scaling, short_epoch, startup, throughput
 from benchmarks.harness import json_record, progress, write_json
 
-STEPS = ("throughput", "scaling", "memory", "startup", "charts")
+STEPS = ("throughput", "scaling", "memory", "startup", "short_epoch", "charts")
 
 
 def _steps(text):
@@ -125,6 +127,16 @@ def main(argv=None):
         sections.append("## Time to first batch\n\n"
                         + startup.render_report(results, step_args.names, step_args.repeats))
         missed = missed or any(v == "NOT met" for v in verdicts.values())
+
+    if "short_epoch" in args.only:
+        # fork and spawn in a full run whatever --context says: the budget is fork's,
+        # spawn is reported beside it
+        step_args = short_epoch.parse_args(["--quick"] if args.quick else [])
+        document = short_epoch.run(step_args, step_prefix="short_epoch ")
+        summary["short_epoch"] = document
+        sections.append("## Short epochs (non-persistent workers)\n\n"
+                        + short_epoch.render_report(document["results"], step_args.repeats,
+                                                    step_args.chain))
 
     summary_path = os.path.join(args.out_dir, "summary.json")
     if "charts" in args.only:
