@@ -18,6 +18,7 @@ Method, and why:
   10-20% on tiny batches), which would always penalise whichever ran first.
 """
 
+import argparse
 import dataclasses
 import gc
 import json
@@ -528,3 +529,11 @@ def run_child(module, spec, timeout=600):
     if done.returncode != 0:
         raise RuntimeError(f"{module} with {spec} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def positive_int(text):
+    """argparse type of the benchmarks' counts (--repeats, --batches, ...)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value

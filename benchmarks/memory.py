@@ -31,6 +31,7 @@ from benchmarks.harness import (
     iterator_worker_pids,
     json_record,
     markdown_table,
+    positive_int,
     progress,
     touch,
     wait_for_workers_to_exit,
@@ -169,26 +170,19 @@ def traces_to_json(traces):
     return {name: asdict(trace) for name, trace in traces.items()}
 
 
-def _positive_int(text):
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def parse_args(argv):
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.memory",
         description="Per-worker USS over an epoch, fastloader vs torch.utils.data.DataLoader.",
     )
     parser.add_argument("--quick", action="store_true", help="1,000 batches, a sample every 25")
-    parser.add_argument("--batches", type=_positive_int, default=None,
+    parser.add_argument("--batches", type=positive_int, default=None,
                         help="batches in the epoch (default 3000, 1000 with --quick)")
-    parser.add_argument("--every", type=_positive_int, default=None,
+    parser.add_argument("--every", type=positive_int, default=None,
                         help="sample every N batches (default 50, 25 with --quick)")
     parser.add_argument("--context", choices=("fork", "spawn", "forkserver"), default="fork")
-    parser.add_argument("--num-workers", type=_positive_int, default=2)
-    parser.add_argument("--batch-size", type=_positive_int, default=64)
+    parser.add_argument("--num-workers", type=positive_int, default=2)
+    parser.add_argument("--batch-size", type=positive_int, default=64)
     parser.add_argument("--json", metavar="PATH", help="also write the traces as JSON")
     args = parser.parse_args(argv)
     if args.batches is None:

@@ -49,7 +49,8 @@ import psutil
 import torch
 
 from benchmarks.datasets import TinyDataset
-from benchmarks.harness import Stats, json_record, markdown_table, progress, write_json
+from benchmarks.harness import (Stats, json_record, markdown_table, positive_int, progress,
+                                write_json)
 
 WORKERS = 2
 BATCH = 64
@@ -243,21 +244,14 @@ def _environment():
             "cpus": psutil.cpu_count()}
 
 
-def _positive_int(text):
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.short_epoch", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fork only, 5 repeats")
     parser.add_argument("--methods", default=None, help="default fork,spawn (fork with --quick)")
-    parser.add_argument("--repeats", type=_positive_int, default=None,
+    parser.add_argument("--repeats", type=positive_int, default=None,
                         help="default 15 (5 with --quick)")
-    parser.add_argument("--chain", type=_positive_int, default=None,
+    parser.add_argument("--chain", type=positive_int, default=None,
                         help="epochs per back-to-back run (default 10, 5 with --quick)")
     parser.add_argument("--context", choices=("fork", "spawn", "forkserver"), default=None,
                         help="one start method (what benchmarks.run passes)")

@@ -52,6 +52,7 @@ from benchmarks.harness import (
     json_record,
     loaders_agreeing,
     markdown_table,
+    positive_int,
     progress,
     run_alternating,
     time_next_calls,
@@ -229,14 +230,14 @@ def parse_args(argv):
     )
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: fewer batches and 2 repeats (~3 min)")
-    parser.add_argument("--repeats", type=_positive_int, default=None,
+    parser.add_argument("--repeats", type=positive_int, default=None,
                         help="runs per loader per workload (default 3, 2 with --quick)")
     parser.add_argument("--workloads", type=_workload_list, default=list(WORKLOADS),
                         help=f"comma-separated subset of {','.join(WORKLOADS)} (default: all)")
     parser.add_argument("--context", choices=("fork", "spawn", "forkserver"), default="fork",
                         help="multiprocessing start method for the workers (default: fork)")
-    parser.add_argument("--num-workers", type=_positive_int, default=2)
-    parser.add_argument("--batch-size", type=_positive_int, default=64)
+    parser.add_argument("--num-workers", type=positive_int, default=2)
+    parser.add_argument("--batch-size", type=positive_int, default=64)
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--check", action="store_true",
                         help="exit with status 1 if a budget is clearly missed (by every "
@@ -250,13 +251,6 @@ def parse_args(argv):
         # min on 2 cores; --quick takes 2 (a smoke run, not a measurement).
         args.repeats = 2 if args.quick else 3
     return args
-
-
-def _positive_int(text):
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def _workload_list(text):
