@@ -93,6 +93,10 @@ WORKLOADS = {
     for w in (
         Workload("tiny", "16 float32 + int label", datasets.TinyDataset, 2500, 800, True,
                  epochs_per_run=3, quick_epochs_per_run=2),
+        # the same samples; torch and fastloader read them through __getitems__
+        # (fastloader.CollatedSamples), FFCV from the same .beton as tiny
+        Workload("tiny_batched", "tiny, a dataset with __getitems__", datasets.TinyBatchedDataset,
+                 2500, 800, True, epochs_per_run=3, quick_epochs_per_run=2),
         Workload("image", "uint8 3x224x224 + int label", datasets.ImageDataset, 150, 60, True,
                  epochs_per_run=6, quick_epochs_per_run=4),
         Workload("jpeg", "JPEG 400x320 decode + random resized crop to 224x224 HWC uint8 + int label",
@@ -133,7 +137,7 @@ class _WriterView:
 def _fields(workload):
     from ffcv.fields import IntField, NDArrayField, RGBImageField
 
-    if workload.name == "tiny":
+    if workload.name in ("tiny", "tiny_batched"):
         data = NDArrayField(dtype=np.dtype("float32"), shape=(datasets.TinyDataset.FEATURES,))
     elif workload.name == "image":
         data = NDArrayField(dtype=np.dtype("uint8"), shape=datasets.ImageDataset.SHAPE)
