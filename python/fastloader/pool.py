@@ -17,7 +17,7 @@ import threading
 import time
 import warnings
 import weakref
-from multiprocessing import reduction
+from multiprocessing import reduction, util as _mp_util
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -149,6 +149,7 @@ class WorkerPool:
             shm_sweep.sweep_dead_loaders()
         with _LIVE_LOCK:
             _LIVE_POOLS.add(self)
+        _exit_hook_for_this_process()
         try:
             self._start_all(context, specs, strategy, task_capacity, result_capacity)
         except BaseException:
@@ -368,6 +369,22 @@ class WorkerPool:
         with _LIVE_LOCK:
             _LIVE_POOLS.discard(self)
         return True
+
+
+_exit_hook_pid = None
+
+
+def _exit_hook_for_this_process():
+    """Also run _shutdown_all from multiprocessing's exit function. A process that
+    multiprocessing started (e.g. a ddp_spawn rank) runs that function directly
+    when its target returns, before any atexit hook, and it joins every child
+    Process it knows; our reaper thread may close one of them meanwhile ("process
+    object is closed"). A finalizer with an exit priority runs before those joins.
+    Registered per process: a forked child starts with the registry cleared."""
+    global _exit_hook_pid
+    if _exit_hook_pid != os.getpid():
+        _exit_hook_pid = os.getpid()
+        _mp_util.Finalize(None, _shutdown_all, exitpriority=100)
 
 
 @atexit.register
