@@ -1,6 +1,7 @@
 """Drop-in details that code written for torch's DataLoader relies on (issue 13):
 DataLoader[...] in annotations, iter(loader)._workers, fastloader.install() for the
 loaders frameworks build, and the copy-on-read warning for pandas / NumPy objects."""
+import json
 import multiprocessing.process
 import os
 import pickle
@@ -26,7 +27,7 @@ from fastloader.worker_process import WorkerProcess
 from fastloader.metadata_warning import (HeavyMetadataWarning, _reset_once_registry,
                                          find_heavy_metadata)
 from tests.support import dropin_datasets as dd
-from tests.support.helpers import assert_same_batch_lists, collect, deadline, settle
+from tests.support.helpers import assert_same_batch_lists, collect, deadline
 
 pytestmark = [pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")]
 
@@ -469,44 +470,21 @@ def test_arrow_backed_strings_are_not_reported():
     assert find_heavy_metadata(dd.PathsFrame(frame)) == []
 
 
-def _uss(pid):
-    return psutil.Process(pid).memory_full_info().uss
-
-
-def _epoch_growth(dataset):
-    """USS growth of one forked worker from its first batch to the end of a full
-    shuffled epoch (a persistent worker stays alive to be measured)."""
-    loader = DataLoader(dataset, batch_size=4096, shuffle=True, num_workers=1,
-                        multiprocessing_context="fork", persistent_workers=True,
-                        collate_fn=dd.sum_collate)
-    with deadline(120, "pandas epoch"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", HeavyMetadataWarning)
-        it = iter(loader)
-        total = int(next(it))
-        (pid,) = it.worker_pids
-        start = _uss(pid)
-        for batch in it:
-            total += int(batch)
-        end = _uss(pid)
-    it._shutdown_workers()
-    del it, loader
-    settle()
-    return end - start, total
-
-
 @pytest.mark.skipif(bool(os.environ.get("FASTLOADER_ASAN")),
                     reason="USS figures do not hold under AddressSanitizer")
-def test_the_estimate_matches_the_measured_per_worker_cost_and_the_fix_removes_it(paths_frame):
-    expected_total = int(paths_frame["path"].str.len().sum())
-    (finding,) = find_heavy_metadata(dd.PathsFrame(paths_frame))
-    growth, total = _epoch_growth(dd.PathsFrame(paths_frame))
-    assert total == expected_total   # every row was read
+def test_the_estimate_matches_the_measured_per_worker_cost_and_the_fix_removes_it(
+        subprocess_env):
+    # measured in a fresh interpreter: see tests/support/cow_epoch.py for why
+    pytest.importorskip("pandas")
+    out = subprocess.run([sys.executable, "-m", "tests.support.cow_epoch", str(N_ROWS)],
+                         env=subprocess_env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    m = json.loads(out.stdout)
+    assert m["objects_total"] == m["packed_total"] == m["expected_total"]  # every row read
+    estimate, growth, growth_packed = m["estimate"], m["objects"], m["packed"]
     # the warning's figure is the copy a forked worker really makes, within 2x
-    assert finding.nbytes / 2 <= growth <= finding.nbytes * 2, \
-        f"estimate {finding.nbytes / MIB:.1f} MiB, measured {growth / MIB:.1f} MiB"
-    packed = fastloader.PackedStringArray(paths_frame["path"])
-    growth_packed, total = _epoch_growth(dd.PackedPaths(packed))
-    assert total == expected_total
+    assert estimate / 2 <= growth <= estimate * 2, \
+        f"estimate {estimate / MIB:.1f} MiB, measured {growth / MIB:.1f} MiB"
     # packed: no per-row object to copy (what remains is the worker's own churn)
-    assert growth_packed < min(growth, finding.nbytes) / 4, \
+    assert growth_packed < min(growth, estimate) / 4, \
         f"packed: {growth_packed / MIB:.1f} MiB, objects: {growth / MIB:.1f} MiB"
