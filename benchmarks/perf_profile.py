@@ -36,13 +36,16 @@ WORKERS = 2
 FREQ = 1999   # Hz: odd, so it does not beat with periodic work
 
 
-def _loader(name, length):
+DATASETS = {"tiny": datasets.TinyDataset, "tiny_batched": datasets.TinyBatchedDataset}
+
+
+def _loader(name, length, dataset="tiny"):
     cls = torch.utils.data.DataLoader
     if name == "fastloader":
         import fastloader
 
         cls = fastloader.DataLoader
-    return cls(datasets.TinyDataset(length), batch_size=BATCH, num_workers=WORKERS,
+    return cls(DATASETS[dataset](length), batch_size=BATCH, num_workers=WORKERS,
                multiprocessing_context="fork", persistent_workers=True)
 
 
@@ -54,9 +57,9 @@ def _worker_pids(loader):
     return [w.pid for w in it._workers]
 
 
-def record(name, epochs, batches_per_epoch, out):
+def record(name, epochs, batches_per_epoch, out, dataset="tiny"):
     """Profile ``epochs`` epochs of a warm loader; returns (main pid, worker pids, batches)."""
-    loader = _loader(name, BATCH * batches_per_epoch)
+    loader = _loader(name, BATCH * batches_per_epoch, dataset)
     for _ in loader:   # start-up and first use stay out of the profile
         pass
     pids = [os.getpid(), *_worker_pids(loader)]
@@ -118,6 +121,8 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.perf_profile", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--loaders", default="fastloader,torch")
+    parser.add_argument("--dataset", choices=sorted(DATASETS), default="tiny",
+                        help="tiny_batched: the same samples through __getitems__")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batches", type=int, default=2000, help="batches per epoch")
     parser.add_argument("--top", type=int, default=15, help="symbols listed per side")
@@ -131,8 +136,9 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         for name in [n.strip() for n in args.loaders.split(",") if n.strip()]:
             data = os.path.join(tmp, f"{name}.data")
-            main_pid, workers, batches = record(name, args.epochs, args.batches, data)
-            print(f"## {name}: {batches} tiny batches ({WORKERS} fork workers, batch {BATCH})\n")
+            main_pid, workers, batches = record(name, args.epochs, args.batches, data,
+                                              args.dataset)
+            print(f"## {name}: {batches} {args.dataset} batches ({WORKERS} fork workers, batch {BATCH})\n")
             print("### main process\n\n" + _side(data, [main_pid], batches, args.top) + "\n")
             print("### workers (together)\n\n" + _side(data, workers, batches, args.top) + "\n",
                   flush=True)

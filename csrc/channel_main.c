@@ -11,6 +11,7 @@
 #include "liveness.h"
 #include "shm_names.h"
 #include "shm.h"
+#include "self_pid.h"
 #include <errno.h>
 #include <fcntl.h>
 #include <string.h>
@@ -62,7 +63,7 @@ mainchan_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     c->ctl_fd = c->efd_main = c->efd_worker = c->sock_main = c->sock_worker = c->pidfd = -1;
     c->worker_id = wid;
     c->strategy = strategy;
-    c->owner_pid = getpid();
+    c->owner_pid = fl_self_pid();
     c->watch = 1;
     snprintf(c->prefix, sizeof(c->prefix), "%s-w%d", prefix, wid);
 
@@ -148,7 +149,7 @@ unlink_named(MainChannelObject *c)
 static void
 mainchan_close_impl(MainChannelObject *c)
 {
-    if (c->owner_pid != getpid())
+    if (c->owner_pid != fl_self_pid())
         return;
     unlink_named(c);
     c->closed = 1;
@@ -167,7 +168,7 @@ mainchan_dealloc(MainChannelObject *c)
     PyTypeObject *tp = Py_TYPE(c);
     PyObject_GC_UnTrack(c);
     mainchan_close_impl(c);
-    if (c->ctl != NULL && c->owner_pid == getpid())
+    if (c->ctl != NULL && c->owner_pid == fl_self_pid())
         munmap(c->ctl, c->ctl_size);
     c->ctl = NULL;
     tp->tp_free(c);
@@ -250,7 +251,7 @@ mainchan_put_index(MainChannelObject *c, PyObject *const *args, Py_ssize_t nargs
     uint8_t *p;
     if (seq == -1 && PyErr_Occurred())
         return NULL;
-    if (c->closed || c->owner_pid != getpid())
+    if (c->closed || c->owner_pid != fl_self_pid())
         return PyErr_Format(PyExc_ValueError, "fastloader: channel is closed");
     if (PyLong_CheckExact(idx)) {
         int ovf;
@@ -315,7 +316,7 @@ mainchan_put_task(MainChannelObject *c, PyObject *args)
     uint8_t *p;
     if (!PyArg_ParseTuple(args, "IL|y*", &kind, &seq, &buf))
         return NULL;
-    if (c->closed || c->owner_pid != getpid()) {
+    if (c->closed || c->owner_pid != fl_self_pid()) {
         PyBuffer_Release(&buf);
         return PyErr_Format(PyExc_ValueError, "fastloader: channel is closed");
     }
@@ -461,7 +462,7 @@ mainchan_stats(MainChannelObject *c, PyObject *Py_UNUSED(ignored))
 {
     uint64_t busy = 0, idle = 0, published = 0, overflowed = 0, a_bytes = 0, a_resv = 0;
     /* a forked child does not have the control block mapped (MADV_DONTFORK) */
-    if (c->ctl != NULL && c->owner_pid == getpid()) {
+    if (c->ctl != NULL && c->owner_pid == fl_self_pid()) {
         busy = atomic_load(&c->ctl->busy_ns);
         idle = atomic_load(&c->ctl->idle_ns);
         published = atomic_load(&c->ctl->published);

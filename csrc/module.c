@@ -7,6 +7,7 @@
 #include "collate_fill.h"
 #include "packed.h"
 #include "protocol.h"
+#include "self_pid.h"
 #include <numpy/arrayobject.h>
 
 static int
@@ -54,6 +55,10 @@ module_exec(PyObject *m)
     fl_state *st = fl_state_of_module(m);
     if (PyArray_ImportNumPyAPI() < 0)
         return -1;
+    if (fl_self_pid_init() < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
     st->class_cache = PyDict_New();
     if (st->class_cache == NULL)
         return -1;

@@ -6,6 +6,7 @@
 #include "objects.h"
 #include "liveness.h"
 #include "protocol.h"
+#include "self_pid.h"
 #include <errno.h>
 #include <poll.h>
 #include <time.h>
@@ -51,7 +52,7 @@ fl_recv(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyObject *o = PyTuple_GET_ITEM(chans, i);
         if (Py_TYPE(o) != st->MainChannelType)
             return PyErr_Format(PyExc_TypeError, "recv: expected MainChannel objects");
-        if (((MainChannelObject *)o)->closed || ((MainChannelObject *)o)->owner_pid != getpid())
+        if (((MainChannelObject *)o)->closed || ((MainChannelObject *)o)->owner_pid != fl_self_pid())
             return PyErr_Format(PyExc_ValueError, "fastloader: channel is closed");
     }
     if (prefer < 0 || prefer >= n)

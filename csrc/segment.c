@@ -10,6 +10,7 @@
  * child can read them, and every other part is not. */
 #include "objects.h"
 #include "shm.h"
+#include "self_pid.h"
 #include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -27,7 +28,7 @@ fl_segment_new(fl_state *st, void *addr, size_t size)
     }
     s->addr = addr;
     s->size = size;
-    s->pid = getpid();
+    s->pid = fl_self_pid();
     s->nparts = 0;
     s->part_size = 0;
     s->live = NULL;
@@ -84,7 +85,7 @@ fl_segment_release(SegmentObject *seg, uint32_t part)
 static PyObject *
 fork_prepare(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(ignored))
 {
-    pid_t me = getpid();
+    pid_t me = fl_self_pid();
     for (SegmentObject *s = g_batch_maps; s != NULL; s = s->next) {
         if (s->pid != me || s->addr == NULL)
             continue;
@@ -162,7 +163,7 @@ segment_dealloc(SegmentObject *s)
         PyMem_Free(s->live);
     }
     PyMem_Free(s->inherited);
-    if (s->addr != NULL && s->pid == getpid())
+    if (s->addr != NULL && s->pid == fl_self_pid())
         munmap(s->addr, s->size);
     tp->tp_free(s);
     Py_DECREF(tp);
@@ -200,7 +201,7 @@ fl_owner_new(fl_state *st, SegmentObject *seg, MainChannelObject *chan, uint32_t
     o->chan = (MainChannelObject *)Py_XNewRef(chan);
     o->gen = gen;
     o->slot = slot;
-    o->pid = getpid();
+    o->pid = fl_self_pid();
     fl_segment_hold(seg, slot == UINT32_MAX ? 0 : slot);
     PyObject_GC_Track(o);
     return (PyObject *)o;
@@ -221,7 +222,7 @@ owner_dealloc(OwnerObject *o)
     MainChannelObject *c = o->chan;
     /* Hand the slot back only in the process that received it, while the worker
      * still runs; the ring is lock-free, and deallocations are serialised by the GIL. */
-    if (c != NULL && !c->closed && o->pid == getpid() && c->ctl != NULL &&
+    if (c != NULL && !c->closed && o->pid == fl_self_pid() && c->ctl != NULL &&
         o->slot != UINT32_MAX) {
         /* A slot a fork inherited with this batch in it stays busy for good (the
          * child may still read it); the worker overflows when it has no free slot. */

@@ -6,12 +6,13 @@ faulthandler_timeout (pyproject) dumps stacks if all else fails.
 """
 import threading
 
+import pytest
 import torch
 
 from fastloader import DataLoader
 from tests.support import datasets as ds
 from tests.support.fault_helpers import QUIET_WORKER_COUNT_WARNING, STRATEGIES
-from tests.support.helpers import assert_same_batch_lists, clone_batch, collect
+from tests.support.helpers import assert_same_batch_lists, clone_batch, collect, deadline
 
 pytestmark = [QUIET_WORKER_COUNT_WARNING]
 
@@ -41,3 +42,52 @@ def test_fork_while_other_threads_run():
     finally:
         stop.set()
         thread.join()
+
+
+def _use_inherited_channels(channels, conn):
+    """In a child forked from the main process: try to drive the parent's channels
+    (they are not this process's), then close them; report what each call did."""
+    from fastloader import _core
+
+    outcome = []
+    for call in (lambda: channels[0].put_index(10_000, [0]),
+                 lambda: _core.recv(channels, 0, 0.1)):
+        try:
+            call()
+            outcome.append("done")
+        except ValueError as exc:
+            outcome.append(str(exc))
+    for ch in channels:
+        ch.close()   # must leave the parent's fds, ring and named segments alone
+    conn.send(outcome)
+    conn.close()
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_process_forked_from_the_main_process_cannot_drive_its_loader(strategy):
+    """The C core asks "am I the process that made this channel?" on every call. A
+    process forked while an epoch runs must be refused (not send a task to the
+    parent's worker, not take its results, not unlink its segments), and the
+    parent's epoch goes on unchanged. The pid it compares with is kept in memory
+    and refreshed at fork, so a stale one would let the child through."""
+    import multiprocessing
+
+    expected = [clone_batch(b) for b in torch.utils.data.DataLoader(
+        ds.TensorLabelDataset(n=40), batch_size=4)]
+    loader = DataLoader(ds.TensorLabelDataset(n=40), batch_size=4, num_workers=2,
+                        multiprocessing_context="fork", sharing_strategy=strategy)
+    with deadline(60):
+        it = iter(loader)
+        got = [clone_batch(next(it))]
+        ctx = multiprocessing.get_context("fork")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_use_inherited_channels, args=(it._channels, child))
+        proc.start()
+        child.close()
+        assert parent.poll(30), "the child did not answer"
+        outcome = parent.recv()
+        proc.join(30)
+        assert proc.exitcode == 0
+        assert outcome == ["fastloader: channel is closed"] * 2, outcome
+        got += [clone_batch(b) for b in it]
+    assert_same_batch_lists(expected, got, strategy)
