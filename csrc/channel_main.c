@@ -520,11 +520,19 @@ mainchan_get_closed(MainChannelObject *c, void *Py_UNUSED(closure))
     return PyBool_FromLong(c->closed);
 }
 
+static PyObject *
+mainchan_get_wait_s(MainChannelObject *c, void *Py_UNUSED(closure))
+{
+    return PyFloat_FromDouble(c->wait_s);
+}
+
 static PyGetSetDef mainchan_getset[] = {
     {"watch", (getter)mainchan_get_watch, (setter)mainchan_set_watch,
      PyDoc_STR("Whether this worker's exit counts as a failure."), NULL},
     {"pid", (getter)mainchan_get_pid, NULL, PyDoc_STR("The worker's pid (0 before start)."), NULL},
     {"closed", (getter)mainchan_get_closed, NULL, PyDoc_STR("True after close()."), NULL},
+    {"wait_s", (getter)mainchan_get_wait_s, NULL,
+     PyDoc_STR("Seconds recv() slept while this worker's result was the one wanted."), NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

@@ -68,6 +68,7 @@ struct MainChannelObject {
     uint64_t n_batches, n_slot, n_overflow, n_arenas;
     uint64_t held;       /* slots of the current arena the consumer still holds */
     uint64_t n_retired;  /* slots never handed back: a fork inherited their batch */
+    double wait_s;       /* recv() asleep while this worker's result was the one wanted */
 };
 
 typedef struct {

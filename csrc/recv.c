@@ -1,7 +1,9 @@
 /* recv(): the main process waits for the next result of any worker. The result
  * eventfds and the workers' pidfds go into one poll, with the GIL released, woken
  * by a result, a worker's death, the timeout and Ctrl-C; a published result is
- * taken without any system call. */
+ * taken without any system call. The time asleep is added to the wanted
+ * channel's wait_s (the loader's data stall), so that the caller need not read
+ * a clock around every call. */
 #define _GNU_SOURCE
 #include "objects.h"
 #include "liveness.h"
@@ -58,6 +60,7 @@ fl_recv(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (prefer < 0 || prefer >= n)
         prefer = 0;
     double deadline = timeout >= 0 ? now_s() + timeout : 0;
+    double asleep_since = -1.0;   /* < 0: the fast path found a result */
     struct pollfd *pfds = NULL;
     PyObject *result = NULL;
     for (;;) {
@@ -94,6 +97,8 @@ fl_recv(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 slice = left > 0 ? (int)(left * 1000) + 1 : 0;
         }
         if (!any) {
+            if (asleep_since < 0)
+                asleep_since = now_s();
             if (pfds == NULL) {
                 pfds = PyMem_Calloc((size_t)(2 * n), sizeof(struct pollfd));
                 if (pfds == NULL) {
@@ -141,6 +146,8 @@ clear_waiting:
     for (Py_ssize_t k = 0; k < n; k++)
         atomic_store(&((MainChannelObject *)PyTuple_GET_ITEM(chans, k))->ctl->main_waiting, 0);
 done:
+    if (asleep_since >= 0)
+        ((MainChannelObject *)PyTuple_GET_ITEM(chans, prefer))->wait_s += now_s() - asleep_since;
     PyMem_Free(pfds);
     return result;
 }

@@ -70,3 +70,27 @@ def test_env_var_prints_one_line_per_epoch(subprocess_env):
     lines = [l for l in proc.stderr.splitlines() if l.startswith("fastloader: epoch")]
     assert [l.split(":")[1].strip() for l in lines] == ["epoch 1", "epoch 2"], proc.stderr
     assert all("8 batches" in l and "stall" in l for l in lines), lines
+
+
+def test_recv_times_its_sleep_on_the_wanted_channel_and_nothing_on_the_fast_path():
+    """The data stall is timed by recv() in C, only while it sleeps, and charged to
+    the channel whose result was wanted (the loader reads the growth per epoch)."""
+    from benchmarks.loopback import exchange, make_pair
+    from fastloader import _core
+
+    main, worker = make_pair(prefix=f"fastloader-test-stats-{os.getpid()}")
+    worker_batches = []
+    try:
+        assert main.wait_s == 0.0
+        started = time.perf_counter()
+        assert _core.recv((main,), 0, 0.3) is None   # nothing published: times out
+        slept = time.perf_counter() - started
+        assert 0.25 <= main.wait_s <= slept + 0.05
+        before = main.wait_s
+        worker_batches = [exchange(main, worker, i, [i], {"i": i}) for i in range(20)]
+        assert [b[1] for b in worker_batches] == list(range(20))
+        # each result was published before recv() looked: no sleep, no time
+        assert main.wait_s == before
+    finally:
+        del worker_batches
+        main.close()

@@ -65,6 +65,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             raise AssertionError(
                 "prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter")
         self._in_order = getattr(loader, "in_order", True)
+        self._recv_timeout = self._timeout if self._timeout > 0 else None
         # a torch DataLoader given fastloader's transport by install() has none
         self.sharing_strategy = getattr(loader, "sharing_strategy", strategy)
         self._shutdown = False
@@ -147,7 +148,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
     def _reset(self, loader, first_iter=False):
         super()._reset(loader, first_iter)
         self._epoch += 1
-        self._counters = _stats.EpochCounters(self._epoch, self._num_workers)
+        self._counters = _stats.EpochCounters(self._epoch, self._num_workers, self._channels)
         self._stats_printed = False
         self._epoch_done = False
         self._send_idx = 0
@@ -218,14 +219,11 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         }
 
     # -- receiving -------------------------------------------------------------------
-    def _get_data(self):
-        timeout = self._timeout if self._timeout > 0 else None
-        prefer = self._task_info.get(self._rcvd_idx, (0,))[0]
-        counters = self._counters
-        started = counters.clock()
+    def _get_data(self, prefer=0):
+        """The next result of any worker, starting with worker `prefer` (the one
+        whose batch is due); recv() times any wait for the epoch's stats."""
         try:
-            got = _core.recv(self._channels, prefer, timeout)
-            counters.waited(counters.clock() - started)
+            got = _core.recv(self._channels, prefer, self._recv_timeout)
         except KeyboardInterrupt:
             # Ctrl-C: stop the workers now (briefly let idle ones exit by
             # themselves, terminate busy ones) so the program can exit at once.
@@ -247,8 +245,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             while self._rcvd_idx < self._send_idx:
                 info = self._task_info.get(self._rcvd_idx, None)
                 if info:
-                    worker_id = info[0]
-                    if len(info) == 2 or self._workers_status[worker_id]:
+                    if len(info) == 2 or self._workers_status[info[0]]:
                         break
                     del self._task_info[self._rcvd_idx]
                 self._rcvd_idx += 1
@@ -261,13 +258,13 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
                     self._shutdown_workers(deferred=True)
                 raise StopIteration
 
-            if len(self._task_info[self._rcvd_idx]) == 2:
+            if len(info) == 2:
                 seq = self._rcvd_idx
-                worker_id, result = self._task_info.pop(seq)
+                del self._task_info[seq]
                 self._rcvd_idx += 1
-                return self._process_data(result, worker_id, seq)
+                return self._process_data(info[1], info[0], seq)
 
-            wid, seq, kind, data, where = self._get_data()
+            wid, seq, kind, data, where = self._get_data(info[0])
             if kind == RES_RESUMED:
                 continue
             self._tasks_outstanding -= 1

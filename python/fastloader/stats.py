@@ -25,20 +25,27 @@ def _memory(pid):
 
 class EpochCounters:
     """What the main process counts during one epoch: batches delivered (by where
-    they travelled, and per worker) and the time it waited for data."""
+    they travelled, and per worker) and the time it waited for data. The waiting
+    is timed in C by recv(), only when it sleeps, per channel (MainChannel.wait_s,
+    which spans the channel's life): an epoch's is the growth since its start."""
 
-    __slots__ = ("epoch", "started", "wait_s", "by_where", "by_worker")
+    __slots__ = ("epoch", "started", "by_where", "by_worker", "_channels", "_wait_base")
     clock = staticmethod(time.perf_counter)
 
-    def __init__(self, epoch: int, num_workers: int):
+    def __init__(self, epoch: int, num_workers: int, channels=()):
         self.epoch = epoch
         self.started = self.clock()
-        self.wait_s = 0.0
         self.by_where = [0, 0, 0]   # indexed by protocol.WHERE_*
         self.by_worker = [0] * num_workers
+        self._channels = tuple(channels)
+        self._wait_base = self._waited_so_far()
 
-    def waited(self, seconds: float) -> None:
-        self.wait_s += seconds
+    def _waited_so_far(self) -> float:
+        return sum(ch.wait_s for ch in self._channels)
+
+    @property
+    def wait_s(self) -> float:
+        return self._waited_so_far() - self._wait_base
 
     def delivered(self, worker: int, where: int) -> None:
         self.by_where[where] += 1
