@@ -44,7 +44,10 @@ FD_SOFT_LIMIT_LOW = 4096
 # ~9 MiB, and workers x prefetch_factor of them are in flight at once.
 SHM_SIZE_LOW = 1 << 30
 SHM_FREE_FRACTION_LOW = 0.10
-SELFTEST_METHOD_TIMEOUT_S = 10
+# Per start method. Spawn and forkserver workers import torch first: seconds on an
+# idle box, well past 10 s on a loaded one or under a sanitizer. A slow machine must
+# not be reported as a broken start method, so this only catches a hang.
+SELFTEST_METHOD_TIMEOUT_S = 30
 _TEXT_WIDTH = 88
 
 # Segment names carry the pid of the process whose lifetime they belong to; ours
