@@ -27,12 +27,19 @@ now_s(void)
 #define FL_SLICE_MS 100
 
 PyDoc_STRVAR(recv_doc,
-"recv(channels, prefer, timeout)\n--\n\nReturns (worker_id, seq, kind, payload, where) or None.\n"
+"recv(channels, prefer, timeout, only_prefer=False)\n--\n\n"
+"Returns (worker_id, seq, kind, payload, where) or None.\n"
 "Take the next result from any channel, starting with `prefer`. Waits with the GIL\n"
 "released; wakes on a result, a worker's death (returns seq -1 and kind RES_DEAD),\n"
 "the timeout in seconds (returns None; timeout None waits forever) and signals.\n"
 "`where`: WHERE_NONE no payload, WHERE_SLOT a ring slot, WHERE_OVERFLOW an overflow\n"
-"segment.");
+"segment.\n"
+"`only_prefer`: a result already published anywhere is taken at once, as without\n"
+"it; but once asleep, only prefer's result, a death or the timeout ends the call,\n"
+"and what other channels publish meanwhile waits for a later call. For in-order\n"
+"delivery, where nothing can be yielded before prefer's result: a wake-up costs\n"
+"the main process more CPU than a batch's bookkeeping, and a worker that runs\n"
+"ahead would otherwise wake it for every result it publishes.");
 
 static PyObject *
 fl_recv(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
@@ -40,13 +47,15 @@ fl_recv(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     fl_state *st = fl_state_of_module(module);
     if (!fl_hooks_ready(st))
         return NULL;
-    if (nargs != 3 || !PyTuple_Check(args[0]))
-        return PyErr_Format(PyExc_TypeError, "recv(channels: tuple, prefer: int, timeout)");
+    if ((nargs != 3 && nargs != 4) || !PyTuple_Check(args[0]))
+        return PyErr_Format(PyExc_TypeError,
+                            "recv(channels: tuple, prefer: int, timeout, only_prefer=False)");
     PyObject *chans = args[0];
     Py_ssize_t n = PyTuple_GET_SIZE(chans);
     Py_ssize_t prefer = PyLong_AsSsize_t(args[1]);
     double timeout = args[2] == Py_None ? -1.0 : PyFloat_AsDouble(args[2]);
-    if (PyErr_Occurred())
+    int only_prefer = nargs == 4 ? PyObject_IsTrue(args[3]) : 0;
+    if (only_prefer < 0 || PyErr_Occurred())
         return NULL;
     if (n == 0)
         return PyErr_Format(PyExc_ValueError, "recv: no channels");
@@ -64,8 +73,10 @@ fl_recv(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     struct pollfd *pfds = NULL;
     PyObject *result = NULL;
     for (;;) {
-        /* fast path: a published result needs no system call at all */
-        for (Py_ssize_t k = 0; k < n; k++) {
+        /* fast path: a published result needs no system call at all (after a sleep
+         * with only_prefer, prefer's alone) */
+        Py_ssize_t look = only_prefer && asleep_since >= 0 ? 1 : n;
+        for (Py_ssize_t k = 0; k < look; k++) {
             MainChannelObject *c = (MainChannelObject *)PyTuple_GET_ITEM(chans, (prefer + k) % n);
             fl_result r;
             int got = fl_res_pop(&c->ring, &r);
@@ -78,13 +89,14 @@ fl_recv(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 goto done;
             }
         }
-        /* announce that we sleep, then look once more (see fl_wake) */
+        /* announce that we sleep (to prefer alone if only_prefer), then look once
+         * more (see fl_wake) */
         int any = 0;
         for (Py_ssize_t k = 0; k < n; k++) {
             MainChannelObject *c = (MainChannelObject *)PyTuple_GET_ITEM(chans, k);
-            atomic_store(&c->ctl->main_waiting, 1);
+            atomic_store(&c->ctl->main_waiting, !only_prefer || k == prefer);
         }
-        for (Py_ssize_t k = 0; k < n && !any; k++)
+        for (Py_ssize_t k = only_prefer ? prefer : 0; k < n && !any; k = only_prefer ? n : k + 1)
             any = !fl_res_empty(&((MainChannelObject *)PyTuple_GET_ITEM(chans, k))->ring);
         int slice = FL_SLICE_MS;
         if (timeout >= 0) {

@@ -66,6 +66,11 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
                 "prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter")
         self._in_order = getattr(loader, "in_order", True)
         self._recv_timeout = self._timeout if self._timeout > 0 else None
+        # In order, only the due batch's worker can let the main process go on:
+        # the others need not wake it (a wake-up costs more CPU than a batch's
+        # bookkeeping, and a worker that runs ahead would wake it for each result).
+        # With a timeout, any result restarts the clock, as in torch: all wake it.
+        self._wake_on_due_only = self._in_order and self._recv_timeout is None
         # a torch DataLoader given fastloader's transport by install() has none
         self.sharing_strategy = getattr(loader, "sharing_strategy", strategy)
         self._shutdown = False
@@ -219,11 +224,12 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         }
 
     # -- receiving -------------------------------------------------------------------
-    def _get_data(self, prefer=0):
+    def _get_data(self, prefer=0, only_prefer=False):
         """The next result of any worker, starting with worker `prefer` (the one
-        whose batch is due); recv() times any wait for the epoch's stats."""
+        whose batch is due; with `only_prefer`, only its result ends a sleep, see
+        _core.recv); recv() times any wait for the epoch's stats."""
         try:
-            got = _core.recv(self._channels, prefer, self._recv_timeout)
+            got = _core.recv(self._channels, prefer, self._recv_timeout, only_prefer)
         except KeyboardInterrupt:
             # Ctrl-C: stop the workers now (briefly let idle ones exit by
             # themselves, terminate busy ones) so the program can exit at once.
@@ -264,7 +270,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
                 self._rcvd_idx += 1
                 return self._process_data(info[1], info[0], seq)
 
-            wid, seq, kind, data, where = self._get_data(info[0])
+            wid, seq, kind, data, where = self._get_data(info[0], self._wake_on_due_only)
             if kind == RES_RESUMED:
                 continue
             self._tasks_outstanding -= 1

@@ -1,0 +1,85 @@
+"""recv(..., only_prefer=True): while the main process sleeps for the due batch, a
+result of another worker does not wake it (in order, it could not be yielded yet);
+the due worker's result and the end of the wait still do, and what was published
+meanwhile is taken by the next call."""
+import os
+import threading
+import time
+
+import pytest
+
+import fastloader  # noqa: F401  (registers the codec hooks)
+from fastloader import _core
+
+PUBLISH_AFTER_S = 0.2
+TIMEOUT_S = 1.5
+
+
+def channel_pair(worker_id):
+    """Both ends of worker `worker_id`'s channel, in this process."""
+    main = _core.MainChannel(worker_id, _core.STRATEGY_FD,
+                             f"fastloader-test-recv-{os.getpid()}-{worker_id}", 1 << 16, 16)
+    h = main.handle()
+    worker = _core.WorkerChannel(h, h["ctl_fd"], h["efd_main"], h["efd_worker"], h["sock"], 3)
+    return main, worker
+
+
+@pytest.fixture
+def two_channels():
+    pairs = [channel_pair(k) for k in range(2)]
+    yield pairs
+    for main, _worker in pairs:
+        main.close()
+
+
+def publish_later(worker, seq):
+    def run():
+        time.sleep(PUBLISH_AFTER_S)
+        worker.publish(_core.RES_BATCH, seq, {"seq": seq})
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def timed_recv(mains, only_prefer):
+    started = time.perf_counter()
+    got = _core.recv(mains, 0, TIMEOUT_S, only_prefer)
+    return got, time.perf_counter() - started
+
+
+def test_another_workers_result_does_not_end_the_sleep_and_the_next_call_takes_it(two_channels):
+    mains = tuple(m for m, _ in two_channels)
+    t = publish_later(two_channels[1][1], 7)
+    got, took = timed_recv(mains, only_prefer=True)
+    t.join()
+    # not woken by worker 1's result at ~0.2 s: the wait ran to its end
+    assert got is None and took >= TIMEOUT_S - 0.05, (got, took)
+    assert mains[0].wait_s >= TIMEOUT_S - 0.05
+    got = _core.recv(mains, 0, 0.0, True)
+    assert got[:3] == (1, 7, _core.RES_BATCH) and got[3] == {"seq": 7}
+
+
+def test_without_only_prefer_any_result_ends_the_sleep(two_channels):
+    mains = tuple(m for m, _ in two_channels)
+    t = publish_later(two_channels[1][1], 3)
+    got, took = timed_recv(mains, only_prefer=False)
+    t.join()
+    assert got[:2] == (1, 3)
+    assert took < TIMEOUT_S - 0.05, took   # woken by the result, not by the timeout
+
+
+def test_the_due_workers_result_ends_the_sleep(two_channels):
+    mains = tuple(m for m, _ in two_channels)
+    t = publish_later(two_channels[0][1], 5)
+    got, took = timed_recv(mains, only_prefer=True)
+    t.join()
+    assert got[:2] == (0, 5)
+    assert took < TIMEOUT_S - 0.05, took
+
+
+def test_a_result_already_published_elsewhere_is_taken_without_sleeping(two_channels):
+    (main0, _w0), (main1, w1) = two_channels
+    w1.publish(_core.RES_BATCH, 9, {"seq": 9})
+    got = _core.recv((main0, main1), 0, TIMEOUT_S, True)
+    assert got[:2] == (1, 9)
+    assert main0.wait_s == main1.wait_s == 0.0
