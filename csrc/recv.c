@@ -140,13 +140,16 @@ fl_recv(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 int dead = c->watch && ((rc > 0 && pfds[2 * k + 1].revents) ||
                                         (c->pidfd < 0 && c->pid > 0 &&
                                          fl_proc_dead(c->pid, c->pidfd)));
-                /* a worker may publish and then die: deliver what it published first */
+                /* a worker may publish and then die: deliver what it published first
+                 * (from any channel: a death ends only_prefer) */
                 if (dead && fl_res_empty(&c->ring)) {
                     result = Py_BuildValue("(iLIOI)", c->worker_id, FL_SEQ_DEAD,
                                            (unsigned)FL_RES_DEAD, Py_None,
                                            (unsigned)FL_WHERE_NONE);
                     goto clear_waiting;
                 }
+                if (dead)
+                    only_prefer = 0;
             }
             if (PyErr_CheckSignals() < 0)
                 goto clear_waiting;

@@ -15,9 +15,9 @@ PUBLISH_AFTER_S = 0.2
 TIMEOUT_S = 1.5
 
 
-def channel_pair(worker_id):
+def channel_pair(worker_id, strategy=_core.STRATEGY_FD):
     """Both ends of worker `worker_id`'s channel, in this process."""
-    main = _core.MainChannel(worker_id, _core.STRATEGY_FD,
+    main = _core.MainChannel(worker_id, strategy,
                              f"fastloader-test-recv-{os.getpid()}-{worker_id}", 1 << 16, 16)
     h = main.handle()
     worker = _core.WorkerChannel(h, h["ctl_fd"], h["efd_main"], h["efd_worker"], h["sock"], 3)
@@ -26,7 +26,9 @@ def channel_pair(worker_id):
 
 @pytest.fixture
 def two_channels():
-    pairs = [channel_pair(k) for k in range(2)]
+    # worker 1 file_system: started() (the died test) closes the main process's
+    # copy of the channel's socket, which a loopback fd-strategy worker still uses
+    pairs = [channel_pair(0), channel_pair(1, _core.STRATEGY_FS)]
     yield pairs
     for main, _worker in pairs:
         main.close()
@@ -83,3 +85,30 @@ def test_a_result_already_published_elsewhere_is_taken_without_sleeping(two_chan
     got = _core.recv((main0, main1), 0, TIMEOUT_S, True)
     assert got[:2] == (1, 9)
     assert main0.wait_s == main1.wait_s == 0.0
+
+
+def test_a_worker_that_published_and_died_meanwhile_is_delivered_then_reported(two_channels):
+    """Worker 1 publishes while the main process sleeps for worker 0, then dies: its
+    death wakes the main process, which delivers what it published, then the death
+    (not a busy loop on the dead worker's pidfd until the wait ends)."""
+    mains = tuple(m for m, _ in two_channels)
+    main1, worker1 = two_channels[1]
+    child = os.fork()
+    if child == 0:
+        time.sleep(2 * PUBLISH_AFTER_S)   # dies after worker 1's publish below
+        os._exit(0)
+    try:
+        main1.started(child)
+        t = publish_later(worker1, 4)
+        started = time.perf_counter()
+        cpu = time.process_time()
+        got = _core.recv(mains, 0, TIMEOUT_S, True)
+        took, spent = time.perf_counter() - started, time.process_time() - cpu
+        t.join()
+        assert got is not None and got[:2] == (1, 4), got
+        assert took < TIMEOUT_S - 0.05, took
+        assert spent < 0.5 * took, (spent, took)   # it slept; it did not spin
+        dead = _core.recv(mains, 0, TIMEOUT_S, True)
+        assert dead[:3] == (1, -1, _core.RES_DEAD), dead
+    finally:
+        os.waitpid(child, 0)
