@@ -31,6 +31,10 @@ _POLL_S = 0.05
 # A job whose step keeps failing is given up after this many tries (its pool
 # falls back to interpreter exit / garbage collection), never retried forever.
 _MAX_FAILURES = 3
+# When a job's fds were ready but its step could not finish (a join elsewhere
+# holds one of its processes), pause this long before looking again: the fds stay
+# ready, and waiting on them again at once would spin a CPU.
+_RETRY_S = 0.005
 
 
 class _State:
@@ -147,14 +151,16 @@ def _loop(st: _State) -> None:
                 fds.extend(job.wait_fds())
             except Exception:
                 pass
+        ready = []
         try:
             if fds:
-                _wait_fds(fds, _POLL_S)
+                ready = _wait_fds(fds, _POLL_S)
             else:
                 time.sleep(_POLL_S)
         except (OSError, ValueError):   # an fd closed under us: look again shortly
             time.sleep(0.001)
         now = time.monotonic()
+        finished = 0
         for job in jobs:
             try:
                 done = job.step(now)
@@ -162,6 +168,9 @@ def _loop(st: _State) -> None:
                 st.failures[id(job)] = st.failures.get(id(job), 0) + 1
                 done = st.failures[id(job)] >= _MAX_FAILURES
             if done:
+                finished += 1
                 with st.lock:
                     st.jobs.remove(job)
                     st.failures.pop(id(job), None)
+        if ready and not finished:
+            time.sleep(_RETRY_S)

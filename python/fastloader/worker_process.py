@@ -86,19 +86,48 @@ class WorkerProcess(BaseProcess):
         """None while running; the exit status, or -N for a death by signal N."""
         with self._lock:
             if not self._closed:
-                self._exitcode = self._proc.exitcode
+                self._exitcode = self._poll_locked()
             return self._exitcode
 
     def is_alive(self) -> bool:
         with self._lock:
-            return not self._closed and self._proc.is_alive()
+            if self._closed:
+                return False
+            self._poll_locked()
+            return self._proc.is_alive()
 
     def join(self, timeout: Optional[float] = None) -> None:
         # held while waiting: the reaper never closes the sentinel being waited on
         with self._lock:
             if not self._closed:
                 self._proc.join(timeout)
-                self._exitcode = self._proc.exitcode
+                self._exitcode = self._poll_locked()
+
+    def _poll_locked(self) -> Optional[int]:
+        """The exit status, or None while the process runs.
+
+        multiprocessing learns it from waitpid(), so once someone else has reaped
+        the process (a program that ignores SIGCHLD, whose children the kernel
+        reaps; an os.wait() elsewhere) it answers None for ever, and the reaper
+        thread would wait for an exit that happened long ago. The sentinel, closed
+        by the process's exit, tells that apart from a process still running: the
+        status is then gone for good, and, as CPython's subprocess does in the same
+        case, it is taken to be 0."""
+        code = self._proc.exitcode
+        popen = getattr(self._proc, "_popen", None)
+        # forkserver's Popen reads the status from the server, not from waitpid
+        if code is not None or getattr(popen, "method", None) not in ("fork", "spawn"):
+            return code
+        if not _wait_fds([self._proc.sentinel], 0):
+            return None   # running
+        try:
+            pid, status = os.waitpid(self._pid, os.WNOHANG)
+        except ChildProcessError:
+            popen.returncode = 0   # reaped elsewhere: the status is lost
+            return 0
+        if pid == self._pid:   # it exited just now: it is reaped here, keep its status
+            popen.returncode = os.waitstatus_to_exitcode(status)
+        return popen.returncode
 
     # -- signals: only while the process is ours (not yet reaped) -----------------------
     def terminate(self) -> None:
@@ -132,7 +161,7 @@ class WorkerProcess(BaseProcess):
         if not self._lock.acquire(blocking=False):
             return False
         try:
-            if not self._closed and self._proc.exitcode is not None:
+            if not self._closed and self._poll_locked() is not None:
                 self._close_locked()
             return self._closed
         finally:

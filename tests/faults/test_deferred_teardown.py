@@ -182,3 +182,79 @@ def test_a_worker_death_is_still_reported_and_reaped():
         del it
         settle()
     assert wait_until(lambda: all(is_reaped(p) for p in pids), 5)
+
+
+@pytest.mark.parametrize("reaped_by", ["SIGCHLD ignored", "os.wait elsewhere"])
+def test_workers_reaped_by_someone_else_still_let_the_reaper_finish(subprocess_env, reaped_by):
+    """A program whose children someone else reaps (SIGCHLD ignored, so the kernel
+    reaps them; or an os.wait() of its own): multiprocessing then never learns a
+    worker's exit status. The reaper thread must still finish each retired pool
+    (the worker is gone; its status is lost and reads 0), not wait on its ready
+    sentinel for ever, spinning a CPU (seen in `make bench`: 80% of a core)."""
+    result = run_script(f"""
+        import os, signal, threading, time
+        import torch
+        from fastloader import DataLoader, reaper
+        from tests.support.reliability_datasets import SmallDataset
+        if {reaped_by!r} == "SIGCHLD ignored":
+            signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+        else:   # a program's own reaper thread, already waiting when a worker exits
+            def reap_children():
+                while True:
+                    try:
+                        os.waitpid(-1, 0)
+                    except ChildProcessError:
+                        time.sleep(0.01)
+            threading.Thread(target=reap_children, daemon=True).start()
+        workers = []
+        for epoch in range(3):
+            loader = DataLoader(SmallDataset(n=16), batch_size=4, num_workers=2,
+                                multiprocessing_context="fork")
+            it = iter(loader)
+            workers += it._workers
+            got = [b for b in it]
+            expected = list(torch.utils.data.DataLoader(SmallDataset(n=16), batch_size=4))
+            assert all(torch.equal(a, b) for x, y in zip(got, expected) for a, b in zip(x, y))
+            assert len(got) == len(expected) == 4
+            del it, got
+        assert reaper.wait_idle(30), "the reaper thread still waits for reaped workers"
+        cpu = time.process_time()
+        time.sleep(1.0)
+        spent = time.process_time() - cpu
+        assert spent < 0.3, f"{{spent:.2f}} s of CPU in 1 s while idle"
+        assert [w.exitcode for w in workers] == [0] * 6, [w.exitcode for w in workers]
+        assert not any(w.is_alive() for w in workers)
+        print("OK", flush=True)
+    """, subprocess_env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "OK", (result.stdout, result.stderr)
+
+
+def test_the_reaper_does_not_spin_on_a_job_whose_fds_stay_ready():
+    """A job whose fd is ready but whose step cannot finish yet (a join elsewhere
+    holds one of its processes) is looked at again after a pause, not in a loop
+    that keeps a CPU busy."""
+    r, w = os.pipe()
+    os.close(w)   # r reads EOF: ready for ever, like an exited worker's sentinel
+
+    class StuckForAWhile:
+        def __init__(self):
+            self.steps = 0
+            self.until = None
+
+        def wait_fds(self):
+            return [r]
+
+        def step(self, now):
+            self.steps += 1
+            self.until = self.until or now + 0.5
+            return now >= self.until
+
+    job = StuckForAWhile()
+    try:
+        reaper.retire(job)
+        assert reaper.wait_idle(30)
+    finally:
+        os.close(r)
+    # 0.5 s of "not yet" at one look per pause (5 ms): ~100 looks, not ~100,000
+    assert 2 <= job.steps <= 400, job.steps
