@@ -61,22 +61,15 @@ def test_another_workers_result_does_not_end_the_sleep_and_the_next_call_takes_i
     assert got[:3] == (1, 7, _core.RES_BATCH) and got[3] == {"seq": 7}
 
 
-def test_without_only_prefer_any_result_ends_the_sleep(two_channels):
+@pytest.mark.parametrize("publisher,only_prefer", [(1, False), (0, True)],
+                         ids=["any-result-without-only_prefer", "the-due-workers-result"])
+def test_a_result_that_may_wake_us_ends_the_sleep(two_channels, publisher, only_prefer):
     mains = tuple(m for m, _ in two_channels)
-    t = publish_later(two_channels[1][1], 3)
-    got, took = timed_recv(mains, only_prefer=False)
+    t = publish_later(two_channels[publisher][1], 3)
+    got, took = timed_recv(mains, only_prefer=only_prefer)
     t.join()
-    assert got[:2] == (1, 3)
+    assert got[:2] == (publisher, 3)
     assert took < TIMEOUT_S - 0.05, took   # woken by the result, not by the timeout
-
-
-def test_the_due_workers_result_ends_the_sleep(two_channels):
-    mains = tuple(m for m, _ in two_channels)
-    t = publish_later(two_channels[0][1], 5)
-    got, took = timed_recv(mains, only_prefer=True)
-    t.join()
-    assert got[:2] == (0, 5)
-    assert took < TIMEOUT_S - 0.05, took
 
 
 def test_a_result_already_published_elsewhere_is_taken_without_sleeping(two_channels):
