@@ -236,10 +236,64 @@ wake_worker(MainChannelObject *c)
     return 0;
 }
 
+/* 1 and *out set if `o` is an int within int64; 0 if not (no exception left). */
+static int
+as_int64(PyObject *o, long long *out)
+{
+    int ovf = 0;
+    long long v = o != NULL && PyLong_Check(o) ? PyLong_AsLongLongAndOverflow(o, &ovf) : -1;
+    if (o == NULL || !PyLong_Check(o) || ovf || (v == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        return 0;
+    }
+    *out = v;
+    return 1;
+}
+
+/* A range (python/fastloader/index_batches.py) is written exactly as the list of
+ * its ints would be, so the worker receives that list; no int object is made per
+ * index. Ends outside int64 (or an empty range) answer False, as such a list does:
+ * the caller then pickles the list. */
+static PyObject *
+put_range(MainChannelObject *c, long long seq, PyObject *range)
+{
+    Py_ssize_t n = PyObject_Size(range);
+    if (n <= 0) {
+        PyErr_Clear();   /* a length beyond Py_ssize_t raises OverflowError */
+        Py_RETURN_FALSE;
+    }
+    /* items, not the start/step attributes: a range computes an item for a
+     * fraction of an attribute lookup's cost */
+    PyObject *first_o = PySequence_GetItem(range, 0);
+    PyObject *second_o = n > 1 ? PySequence_GetItem(range, 1) : NULL;
+    PyObject *last_o = PySequence_GetItem(range, n - 1);
+    long long first, second = 0, last;
+    int fits = as_int64(first_o, &first) & (n == 1 || as_int64(second_o, &second)) &
+               as_int64(last_o, &last);
+    Py_XDECREF(first_o);
+    Py_XDECREF(second_o);
+    Py_XDECREF(last_o);
+    uint8_t *p;
+    if (!fits || fl_task_reserve(&c->ring, (uint64_t)n * 8, &p) != FL_OK)
+        Py_RETURN_FALSE;
+    /* every item lies between the first and the last, so within int64. In
+     * unsigned arithmetic (modulo 2^64) first + i * step is that item even where
+     * the step or i * step alone would not fit an int64. */
+    uint64_t step = (uint64_t)second - (uint64_t)first;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t v = (uint64_t)first + (uint64_t)i * step;   /* the int64's bits */
+        memcpy(p + 8 * i, &v, 8);
+    }
+    fl_task_commit(&c->ring, FL_TASK_INDICES, seq, (uint64_t)n * 8);
+    wake_worker(c);
+    Py_RETURN_TRUE;
+}
+
 PyDoc_STRVAR(mainchan_put_index_doc,
 "put_index($self, seq, index)\n--\n\nReturns bool.\n"
-"Queue a fetch task. Lists of ints, ints and lists of None travel as raw int64s;\n"
-"returns False for any other index (the caller pickles it and uses put_task).");
+"Queue a fetch task. Lists of ints, ranges, ints and lists of None travel as raw\n"
+"int64s (a range as the list of its ints); returns False for any other index (the\n"
+"caller pickles it and uses put_task).");
 
 static PyObject *
 mainchan_put_index(MainChannelObject *c, PyObject *const *args, Py_ssize_t nargs)
@@ -267,6 +321,8 @@ mainchan_put_index(MainChannelObject *c, PyObject *const *args, Py_ssize_t nargs
         wake_worker(c);
         Py_RETURN_TRUE;
     }
+    if (PyRange_Check(idx))
+        return put_range(c, seq, idx);
     if (!PyList_CheckExact(idx))
         Py_RETURN_FALSE;
     Py_ssize_t n = PyList_GET_SIZE(idx);

@@ -20,6 +20,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter, _sharding_worker_in
 
 from . import _core
 from . import resume as _resume
+from .index_batches import as_list, sequential_batches
 from . import stats as _stats
 from .distributed import rank_info
 from .metadata_warning import warn_if_heavy_metadata
@@ -152,6 +153,11 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
     # -- epoch control -------------------------------------------------------------
     def _reset(self, loader, first_iter=False):
         super()._reset(loader, first_iter)
+        # torch's default unshuffled sampler: the same batches as ranges (no int
+        # object per index in the main process; see index_batches.py)
+        ranges = sequential_batches(self._index_sampler)
+        self._sends_ranges = ranges is not None
+        self._sampler_iter = ranges or self._sampler_iter
         self._epoch += 1
         self._counters = _stats.EpochCounters(self._epoch, self._num_workers, self._channels)
         self._stats_printed = False
@@ -190,7 +196,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         worker's RNG (and iterable position) to where it was."""
         _resume.restore_rng(self._loader_generator, state["sampler_rng"])
         target = state["next_seq"]
-        index_of = _resume.indices_to_replay(state, self._next_index)
+        index_of = _resume.indices_to_replay(state, lambda: as_list(self._next_index()))
         # tasks the interrupted run had handed out past `target` are sent anew,
         # except those it delivered already (in_order=False)
         self._ahead_to_skip = set(state.get("delivered_ahead", ()))
@@ -327,7 +333,12 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         else:
             return
         ch = self._channels[worker_queue_idx]
-        if not ch.put_index(self._send_idx, index):
+        # put_index writes a range as its list of ints: right for ours, not for a
+        # range the user's sampler yields (the dataset must get the range)
+        if ((type(index) is range and not self._sends_ranges)
+                or not ch.put_index(self._send_idx, index)):
+            if self._sends_ranges:
+                index = as_list(index)
             ch.put_task(TASK_PICKLE, self._send_idx,
                         pickle.dumps(index, protocol=pickle.HIGHEST_PROTOCOL))
         self._task_info[self._send_idx] = (worker_queue_idx,)

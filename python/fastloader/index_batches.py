@@ -1,0 +1,52 @@
+"""Batches of indices without a Python int per index, where that changes nothing.
+
+The default map-style loader without shuffling batches a SequentialSampler with
+a BatchSampler: batch k is the list ``[k*B, ..., k*B+B-1]``. Building that list
+costs the main process a new int object per index, a list, and then freeing
+them all, only for the channel to read the ints back out (about a fifth of its
+CPU per batch on tiny samples). For exactly that pair this yields ``range``
+objects instead, with the same values, at the same moments (the dataset's
+length is read on the first batch, as torch's generator does), and the
+channel writes them to the task ring as it writes a list: the worker receives
+the same list as with torch's sampler. Anything else (a subclass, a patched
+``__iter__``, another sampler) keeps torch's own iterator.
+
+A range must never reach user code: `as_list` turns one back into the list
+torch's sampler would have produced, for the paths that hand indices over
+otherwise (the pickle fallback, a resumed run's replay)."""
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+from torch.utils.data.sampler import BatchSampler, SequentialSampler
+
+# torch's own methods, as imported: a patched one means the pair no longer
+# behaves as this module assumes.
+_BATCH_ITER = BatchSampler.__iter__
+_SEQUENTIAL_ITER = SequentialSampler.__iter__
+
+
+def sequential_batches(index_sampler) -> Optional[Iterator[range]]:
+    """An iterator of ``range`` batches equal to ``iter(index_sampler)``'s lists,
+    or None when `index_sampler` is not torch's BatchSampler over torch's
+    SequentialSampler (exact types, unpatched)."""
+    if type(index_sampler) is not BatchSampler or type(index_sampler).__iter__ is not _BATCH_ITER:
+        return None
+    sampler = index_sampler.sampler
+    if type(sampler) is not SequentialSampler or type(sampler).__iter__ is not _SEQUENTIAL_ITER:
+        return None
+    return _ranges(index_sampler, sampler)
+
+
+def _ranges(index_sampler, sampler) -> Iterator[range]:
+    # a generator, like BatchSampler.__iter__: nothing is read before the first batch
+    size, drop_last = index_sampler.batch_size, index_sampler.drop_last
+    n = len(sampler.data_source)
+    stop = n - n % size if drop_last else n
+    for start in range(0, stop, size):
+        yield range(start, min(start + size, n))
+
+
+def as_list(index):
+    """`index` as torch's sampler would have given it (a range becomes a list)."""
+    return list(index) if type(index) is range else index

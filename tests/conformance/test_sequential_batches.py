@@ -1,0 +1,120 @@
+"""torch's default unshuffled sampler is sent as ranges (index_batches.py): the
+dataset must still receive exactly what torch's DataLoader hands it, a list with
+the same ints, batch for batch; only that exact sampler pair takes the path, and
+a range that the user's own sampler yields still reaches the dataset as a range."""
+import pytest
+import torch
+import torch.utils.data
+from torch.utils.data import BatchSampler, Dataset, RandomSampler, Sampler, SequentialSampler
+
+import fastloader
+from fastloader import index_batches
+from fastloader import iterator as iterator_module
+
+TorchLoader = torch.utils.data.DataLoader
+FastLoader = fastloader.DataLoader
+
+
+class SeenIndices(Dataset):
+    """A batch is what ``__getitems__`` received: its type's name and its ints
+    (as strings, so ints beyond int64 come back too)."""
+
+    def __init__(self, length):
+        self.length = length
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, index):
+        return ("int", str(index))
+
+    def __getitems__(self, indices):
+        return [(type(indices).__name__, str(i)) for i in indices]
+
+
+def seen(loader, epochs=1):
+    return [(list(kinds), list(ints)) for _ in range(epochs) for kinds, ints in loader]
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("batch_size", [1, 7, 64])
+@pytest.mark.parametrize("length", [1, 63, 64, 65, 200])
+def test_the_dataset_gets_the_lists_torch_gives_it(length, batch_size, drop_last):
+    kwargs = dict(batch_size=batch_size, drop_last=drop_last)
+    expected = seen(TorchLoader(SeenIndices(length), **kwargs))
+    got = seen(FastLoader(SeenIndices(length), num_workers=2, **kwargs))
+    assert got == expected
+    assert all(kind == "list" for kinds, _ in got for kind in kinds)
+
+
+def test_the_length_is_read_anew_every_epoch():
+    dataset = SeenIndices(10)
+    fast = FastLoader(dataset, batch_size=4, num_workers=2, persistent_workers=True)
+    reference = TorchLoader(dataset, batch_size=4)
+    first = (seen(fast), seen(reference))
+    dataset.length = 13
+    second = (seen(fast), seen(reference))
+    assert first[0] == first[1] and second[0] == second[1]
+    assert len(second[0]) == 4 and second[0][-1][1] == ["12"]
+
+
+class RangeBatches(Sampler):
+    """A user's batch sampler that yields ranges: torch hands the dataset ranges."""
+
+    def __init__(self, length, size):
+        self.length, self.size = length, size
+
+    def __iter__(self):
+        return (range(s, min(s + self.size, self.length)) for s in range(0, self.length, self.size))
+
+    def __len__(self):
+        return -(-self.length // self.size)
+
+
+def test_a_range_from_the_users_sampler_reaches_the_dataset_as_a_range():
+    expected = seen(TorchLoader(SeenIndices(20), batch_sampler=RangeBatches(20, 6)))
+    got = seen(FastLoader(SeenIndices(20), batch_sampler=RangeBatches(20, 6), num_workers=2))
+    assert got == expected
+    assert {kind for kinds, _ in got for kind in kinds} == {"range"}
+
+
+class MyBatchSampler(BatchSampler):
+    pass
+
+
+class MySequentialSampler(SequentialSampler):
+    pass
+
+
+def test_only_torchs_exact_unpatched_pair_is_sent_as_ranges(monkeypatch):
+    data = SeenIndices(10)
+    assert index_batches.sequential_batches(BatchSampler(SequentialSampler(data), 3, False))
+    for other in (MyBatchSampler(SequentialSampler(data), 3, False),
+                  BatchSampler(MySequentialSampler(data), 3, False),
+                  BatchSampler(RandomSampler(data), 3, False),
+                  SequentialSampler(data)):
+        assert index_batches.sequential_batches(other) is None, other
+
+    # a patched BatchSampler.__iter__ is honoured, as torch's DataLoader honours it
+    original = BatchSampler.__iter__
+
+    def reversed_batches(self):
+        for batch in original(self):
+            yield batch[::-1]
+
+    monkeypatch.setattr(BatchSampler, "__iter__", reversed_batches)
+    assert index_batches.sequential_batches(BatchSampler(SequentialSampler(data), 3, False)) is None
+    expected = seen(TorchLoader(SeenIndices(10), batch_size=3))
+    assert expected[0][1] == ["2", "1", "0"]
+    assert seen(FastLoader(SeenIndices(10), batch_size=3, num_workers=2)) == expected
+
+
+def test_ranges_at_and_beyond_the_int64_limits_arrive_as_their_lists(monkeypatch):
+    """The C core writes a range's ints without making them; ends outside int64
+    take the pickle path, as a list of such ints does. Either way the dataset gets
+    the list."""
+    batches = [range(5, -7, -3), range(2**63 - 4, 2**63 - 1), range(-2**63, -2**63 + 3),
+               range(2**63 - 2, 2**63 + 1), range(0, 2**70, 2**68), range(-3, 3, 2**62)]
+    monkeypatch.setattr(iterator_module, "sequential_batches", lambda sampler: iter(batches))
+    got = seen(FastLoader(SeenIndices(10), batch_size=3, num_workers=2))
+    assert got == [(["list"] * len(r), [str(i) for i in r]) for r in batches]
