@@ -20,9 +20,9 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter, _sharding_worker_in
 
 from . import _core
 from . import resume as _resume
-from .index_batches import as_list, sequential_batches
 from . import stats as _stats
 from .distributed import rank_info
+from .index_batches import as_list, sequential_batches
 from .metadata_warning import warn_if_heavy_metadata
 from .pool import WorkerPool, WorkerSpec
 from .protocol import (
@@ -196,7 +196,8 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         worker's RNG (and iterable position) to where it was."""
         _resume.restore_rng(self._loader_generator, state["sampler_rng"])
         target = state["next_seq"]
-        index_of = _resume.indices_to_replay(state, lambda: as_list(self._next_index()))
+        draw = (lambda: as_list(self._next_index())) if self._sends_ranges else self._next_index
+        index_of = _resume.indices_to_replay(state, draw)
         # tasks the interrupted run had handed out past `target` are sent anew,
         # except those it delivered already (in_order=False)
         self._ahead_to_skip = set(state.get("delivered_ahead", ()))

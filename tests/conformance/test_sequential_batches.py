@@ -118,3 +118,21 @@ def test_ranges_at_and_beyond_the_int64_limits_arrive_as_their_lists(monkeypatch
     monkeypatch.setattr(iterator_module, "sequential_batches", lambda sampler: iter(batches))
     got = seen(FastLoader(SeenIndices(10), batch_size=3, num_workers=2))
     assert got == [(["list"] * len(r), [str(i) for i in r]) for r in batches]
+
+
+@pytest.mark.parametrize("every", [0, 2])
+@pytest.mark.parametrize("k", [1, 5])
+def test_a_resumed_unshuffled_epoch_replays_lists(k, every):
+    """Resume draws the interrupted run's batches again and replays some in the
+    workers: those too reach the dataset as torch's lists."""
+    kwargs = dict(batch_size=3, num_workers=2, snapshot_every_n_steps=every)
+    full = seen(FastLoader(SeenIndices(40), **kwargs))
+    first = FastLoader(SeenIndices(40), **kwargs)
+    it = iter(first)
+    head = [(list(kinds), list(ints)) for kinds, ints in (next(it) for _ in range(k))]
+    state = first.state_dict()
+    del it, first
+    second = FastLoader(SeenIndices(40), **kwargs)
+    second.load_state_dict(state)
+    assert head + seen(second) == full
+    assert full == seen(TorchLoader(SeenIndices(40), batch_size=3))
