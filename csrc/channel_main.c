@@ -252,8 +252,8 @@ as_int64(PyObject *o, long long *out)
 
 /* A range (python/fastloader/index_batches.py) is written exactly as the list of
  * its ints would be, so the worker receives that list; no int object is made per
- * index. Ends outside int64 (or an empty range) answer False, as such a list does:
- * the caller then pickles the list. */
+ * index. A range the ring cannot take as such (ends outside int64, too long, or
+ * empty) answers False: the caller then pickles the list. */
 static PyObject *
 put_range(MainChannelObject *c, long long seq, PyObject *range)
 {
@@ -262,6 +262,9 @@ put_range(MainChannelObject *c, long long seq, PyObject *range)
         PyErr_Clear();   /* a length beyond Py_ssize_t raises OverflowError */
         Py_RETURN_FALSE;
     }
+    /* unlike a list's, a range's length is not bounded by memory: n * 8 could wrap */
+    if ((uint64_t)n > c->ring.task_cap / 8)
+        Py_RETURN_FALSE;
     /* items, not the start/step attributes: a range computes an item for a
      * fraction of an attribute lookup's cost */
     PyObject *first_o = PySequence_GetItem(range, 0);

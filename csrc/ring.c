@@ -94,6 +94,8 @@ int
 fl_task_reserve(const fl_ring *g, uint64_t payload_len, uint8_t **payload_out)
 {
     fl_ctl *c = g->ctl;
+    if (payload_len > g->task_cap)   /* also keeps the sum below from wrapping */
+        return FL_FULL;
     uint64_t need = FL_ALIGN_UP(sizeof(fl_task_hdr) + payload_len, 32);
     uint64_t head = atomic_load_explicit(&c->task_head, memory_order_relaxed);
     uint64_t tail = atomic_load_explicit(&c->task_tail, memory_order_acquire);

@@ -18,33 +18,49 @@ from __future__ import annotations
 
 from typing import Iterator, Optional
 
+from torch.utils.data import sampler as _sampler_module
 from torch.utils.data.sampler import BatchSampler, SequentialSampler
 
-# torch's own methods, as imported: a patched one means the pair no longer
-# behaves as this module assumes.
-_BATCH_ITER = BatchSampler.__iter__
-_SEQUENTIAL_ITER = SequentialSampler.__iter__
+
+def _is_torchs_own(cls) -> bool:
+    """Whether ``cls.__iter__`` is the one torch's sampler.py defines: a patch,
+    even one made before fastloader was imported or wrapped with
+    functools.wraps, has its code elsewhere."""
+    code = getattr(cls.__dict__.get("__iter__"), "__code__", None)
+    return (code is not None and code.co_name == "__iter__"
+            and code.co_filename == _sampler_module.__file__)
 
 
 def sequential_batches(index_sampler) -> Optional[Iterator[range]]:
     """An iterator of ``range`` batches equal to ``iter(index_sampler)``'s lists,
     or None when `index_sampler` is not torch's BatchSampler over torch's
     SequentialSampler (exact types, unpatched)."""
-    if type(index_sampler) is not BatchSampler or type(index_sampler).__iter__ is not _BATCH_ITER:
+    if type(index_sampler) is not BatchSampler or not _is_torchs_own(BatchSampler):
         return None
     sampler = index_sampler.sampler
-    if type(sampler) is not SequentialSampler or type(sampler).__iter__ is not _SEQUENTIAL_ITER:
+    if type(sampler) is not SequentialSampler or not _is_torchs_own(SequentialSampler):
         return None
     return _ranges(index_sampler, sampler)
 
 
 def _ranges(index_sampler, sampler) -> Iterator[range]:
     # a generator, like BatchSampler.__iter__: nothing is read before the first batch
-    size, drop_last = index_sampler.batch_size, index_sampler.drop_last
+    drop_last = index_sampler.drop_last
     n = len(sampler.data_source)
-    stop = n - n % size if drop_last else n
-    for start in range(0, stop, size):
+    if drop_last:
+        # torch 2.13 reads batch_size once here (a zip over one iterator)
+        size = index_sampler.batch_size
+        for start in range(0, n - n % size, size):
+            yield range(start, start + size)
+        return
+    # without drop_last torch reads batch_size again for every batch
+    start = 0
+    while start < n:
+        size = index_sampler.batch_size
+        if size < 1:
+            return   # torch's islice of 0 items ends the epoch
         yield range(start, min(start + size, n))
+        start += size
 
 
 def as_list(index):

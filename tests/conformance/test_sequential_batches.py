@@ -2,14 +2,23 @@
 dataset must still receive exactly what torch's DataLoader hands it, a list with
 the same ints, batch for batch; only that exact sampler pair takes the path, and
 a range that the user's own sampler yields still reaches the dataset as a range."""
+import functools
+import os
+import subprocess
+import sys
+import uuid
+
 import pytest
 import torch
 import torch.utils.data
 from torch.utils.data import BatchSampler, Dataset, RandomSampler, Sampler, SequentialSampler
 
 import fastloader
-from fastloader import index_batches
+from fastloader import _core, index_batches
 from fastloader import iterator as iterator_module
+from fastloader.protocol import Replay
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 TorchLoader = torch.utils.data.DataLoader
 FastLoader = fastloader.DataLoader
@@ -102,11 +111,69 @@ def test_only_torchs_exact_unpatched_pair_is_sent_as_ranges(monkeypatch):
         for batch in original(self):
             yield batch[::-1]
 
-    monkeypatch.setattr(BatchSampler, "__iter__", reversed_batches)
+    monkeypatch.setattr(BatchSampler, "__iter__", functools.wraps(original)(reversed_batches))
     assert index_batches.sequential_batches(BatchSampler(SequentialSampler(data), 3, False)) is None
     expected = seen(TorchLoader(SeenIndices(10), batch_size=3))
     assert expected[0][1] == ["2", "1", "0"]
     assert seen(FastLoader(SeenIndices(10), batch_size=3, num_workers=2)) == expected
+
+
+PATCHED_BEFORE_IMPORT = """
+import torch.utils.data as data
+original = data.SequentialSampler.__iter__
+data.SequentialSampler.__iter__ = lambda self: iter(reversed(list(original(self))))
+import fastloader
+loader = fastloader.DataLoader(list(range(10)), batch_size=4, num_workers=2)
+print([b.tolist() for b in loader])
+"""
+
+
+def test_a_patch_made_before_fastloader_is_imported_is_honoured():
+    done = subprocess.run([sys.executable, "-c", PATCHED_BEFORE_IMPORT], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[[9, 8, 7, 6], [5, 4, 3, 2], [1, 0]]"
+
+
+def test_a_batch_size_changed_mid_epoch_is_read_as_torch_reads_it():
+    def run(cls, **kwargs):
+        loader = cls(SeenIndices(30), batch_size=4, **kwargs)
+        out = []
+        for i, (kinds, ints) in enumerate(loader):
+            out.append(list(ints))
+            if i == 0:
+                loader.batch_sampler.batch_size = 3
+        return out
+
+    expected = run(TorchLoader, num_workers=2)
+    assert run(FastLoader, num_workers=2) == expected
+    assert {3, 4} <= {len(b) for b in expected}   # the change took effect mid-epoch
+
+
+def test_put_index_writes_a_range_as_its_list_or_declines_it():
+    """The C core, both ends in this process: a range goes into the task ring as
+    the list of its ints (the worker reads that list), or put_index answers False
+    and nothing is queued (the caller then pickles the list)."""
+    prefix = f"fastloader-{os.getpid()}-{uuid.uuid4().hex[:10]}-ranges"
+    main = _core.MainChannel(0, _core.STRATEGY_FS, prefix, 1 << 16, 16)
+    h = main.handle()
+    worker = _core.WorkerChannel(h, h["ctl_fd"], h["efd_main"], h["efd_worker"], h["sock"], 3)
+    try:
+        sent = [range(5, -7, -3), range(2**63 - 4, 2**63 - 1), range(-2**63, -2**63 + 3),
+                range(-3, 3, 2**62), range(-2**63, 2**63 - 1, 2**63 + 1), range(7, 8)]
+        declined = [range(0), range(2**63 - 2, 2**63 + 1), range(0, 2**70, 2**68),
+                    range(-2**63, 2**63 - 1), range(0, 2**61), range(2**62), range(1 << 14)]
+        for seq, r in enumerate(sent):
+            assert main.put_index(seq, r) is True, r
+            kind, got_seq, index = worker.get_task()
+            assert (got_seq, index, type(index)) == (seq, list(r), list), r
+        for r in declined:
+            assert main.put_index(99, r) is False, r
+        assert main.put_index(100, [1, 2]) is True   # nothing was left queued before it
+        assert worker.get_task()[1:] == (100, [1, 2])
+    finally:
+        main.close()
 
 
 def test_ranges_at_and_beyond_the_int64_limits_arrive_as_their_lists(monkeypatch):
@@ -122,7 +189,7 @@ def test_ranges_at_and_beyond_the_int64_limits_arrive_as_their_lists(monkeypatch
 
 @pytest.mark.parametrize("every", [0, 2])
 @pytest.mark.parametrize("k", [1, 5])
-def test_a_resumed_unshuffled_epoch_replays_lists(k, every):
+def test_a_resumed_unshuffled_epoch_replays_lists(k, every, monkeypatch):
     """Resume draws the interrupted run's batches again and replays some in the
     workers: those too reach the dataset as torch's lists."""
     kwargs = dict(batch_size=3, num_workers=2, snapshot_every_n_steps=every)
@@ -132,7 +199,20 @@ def test_a_resumed_unshuffled_epoch_replays_lists(k, every):
     head = [(list(kinds), list(ints)) for kinds, ints in (next(it) for _ in range(k))]
     state = first.state_dict()
     del it, first
+    replayed = []
+    encode = iterator_module.encode_control
+
+    def recording(message):
+        if isinstance(message, Replay):
+            replayed.append(type(message.index))
+        return encode(message)
+
+    monkeypatch.setattr(iterator_module, "encode_control", recording)
     second = FastLoader(SeenIndices(40), **kwargs)
     second.load_state_dict(state)
     assert head + seen(second) == full
     assert full == seen(TorchLoader(SeenIndices(40), batch_size=3))
+    if every:   # workers snapshot every 2 steps: the tasks since are replayed
+        assert replayed and set(replayed) == {list}, replayed
+    else:
+        assert set(replayed) <= {list}, replayed
