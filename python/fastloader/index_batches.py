@@ -3,8 +3,8 @@
 The default map-style loader without shuffling batches a SequentialSampler with
 a BatchSampler: batch k is the list ``[k*B, ..., k*B+B-1]``. Building that list
 costs the main process a new int object per index, a list, and then freeing
-them all, only for the channel to read the ints back out (callgrind: 40% of
-its instructions per batch of 64 tiny samples, a few microseconds). For exactly that pair this yields ``range``
+them all, only for the channel to read the ints back out (callgrind, batch
+64: 15.5k instructions per batch drawn, 3.0k as a range). For exactly that pair this yields ``range``
 objects instead, with the same values, at the same moments (the dataset's
 length is read on the first batch, as torch's generator does), and the
 channel writes them to the task ring as it writes a list: the worker receives
