@@ -311,12 +311,9 @@ mainchan_put_index(MainChannelObject *c, PyObject *const *args, Py_ssize_t nargs
     if (c->closed || c->owner_pid != fl_self_pid())
         return PyErr_Format(PyExc_ValueError, "fastloader: channel is closed");
     if (PyLong_CheckExact(idx)) {
-        int ovf;
-        long long v = PyLong_AsLongLongAndOverflow(idx, &ovf);
-        if (ovf || (v == -1 && PyErr_Occurred())) {
-            PyErr_Clear();
-            Py_RETURN_FALSE;
-        }
+        long long v;
+        if (!as_int64(idx, &v))
+            Py_RETURN_FALSE;   /* beyond int64: pickled */
         if (fl_task_reserve(&c->ring, 8, &p) != FL_OK)
             return fl_raise(FL_FULL, 0, "sending a task");
         memcpy(p, &v, 8);
@@ -349,12 +346,9 @@ mainchan_put_index(MainChannelObject *c, PyObject *const *args, Py_ssize_t nargs
     if (fl_task_reserve(&c->ring, (uint64_t)n * 8, &p) != FL_OK)
         Py_RETURN_FALSE;   /* too large for the ring: the pickle path reports it */
     for (Py_ssize_t i = 0; i < n; i++) {
-        int ovf;
-        long long v = PyLong_AsLongLongAndOverflow(PyList_GET_ITEM(idx, i), &ovf);
-        if (ovf || (v == -1 && PyErr_Occurred())) {
-            PyErr_Clear();
-            Py_RETURN_FALSE;   /* reservation is simply not committed */
-        }
+        long long v;
+        if (!as_int64(PyList_GET_ITEM(idx, i), &v))
+            Py_RETURN_FALSE;   /* beyond int64: pickled; the reservation is not committed */
         memcpy(p + 8 * i, &v, 8);
     }
     fl_task_commit(&c->ring, FL_TASK_INDICES, seq, (uint64_t)n * 8);

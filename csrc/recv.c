@@ -26,6 +26,13 @@ now_s(void)
  * still reaches us promptly. */
 #define FL_SLICE_MS 100
 
+/* whether channel k of the tuple has a result published */
+static int
+has_result(PyObject *chans, Py_ssize_t k)
+{
+    return !fl_res_empty(&((MainChannelObject *)PyTuple_GET_ITEM(chans, k))->ring);
+}
+
 PyDoc_STRVAR(recv_doc,
 "recv(channels, prefer, timeout, only_prefer=False)\n--\n\n"
 "Returns (worker_id, seq, kind, payload, where) or None.\n"
@@ -96,8 +103,12 @@ fl_recv(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             MainChannelObject *c = (MainChannelObject *)PyTuple_GET_ITEM(chans, k);
             atomic_store(&c->ctl->main_waiting, !only_prefer || k == prefer);
         }
-        for (Py_ssize_t k = only_prefer ? prefer : 0; k < n && !any; k = only_prefer ? n : k + 1)
-            any = !fl_res_empty(&((MainChannelObject *)PyTuple_GET_ITEM(chans, k))->ring);
+        if (only_prefer) {
+            any = has_result(chans, prefer);
+        } else {
+            for (Py_ssize_t k = 0; k < n && !any; k++)
+                any = has_result(chans, k);
+        }
         int slice = FL_SLICE_MS;
         if (timeout >= 0) {
             double left = deadline - now_s();

@@ -6,7 +6,6 @@ import functools
 import os
 import subprocess
 import sys
-import uuid
 
 import pytest
 import torch
@@ -14,9 +13,10 @@ import torch.utils.data
 from torch.utils.data import BatchSampler, Dataset, RandomSampler, Sampler, SequentialSampler
 
 import fastloader
-from fastloader import _core, index_batches
+from fastloader import index_batches
 from fastloader import iterator as iterator_module
 from fastloader.protocol import Replay
+from tests.support.helpers import loopback_channels
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -155,11 +155,7 @@ def test_put_index_writes_a_range_as_its_list_or_declines_it():
     """The C core, both ends in this process: a range goes into the task ring as
     the list of its ints (the worker reads that list), or put_index answers False
     and nothing is queued (the caller then pickles the list)."""
-    prefix = f"fastloader-{os.getpid()}-{uuid.uuid4().hex[:10]}-ranges"
-    main = _core.MainChannel(0, _core.STRATEGY_FS, prefix, 1 << 16, 16)
-    h = main.handle()
-    worker = _core.WorkerChannel(h, h["ctl_fd"], h["efd_main"], h["efd_worker"], h["sock"], 3)
-    try:
+    with loopback_channels("ranges") as (main, worker):
         sent = [range(5, -7, -3), range(2**63 - 4, 2**63 - 1), range(-2**63, -2**63 + 3),
                 range(-3, 3, 2**62), range(-2**63, 2**63 - 1, 2**63 + 1), range(7, 8)]
         declined = [range(0), range(2**63 - 2, 2**63 + 1), range(0, 2**70, 2**68),
@@ -172,8 +168,6 @@ def test_put_index_writes_a_range_as_its_list_or_declines_it():
             assert main.put_index(99, r) is False, r
         assert main.put_index(100, [1, 2]) is True   # nothing was left queued before it
         assert worker.get_task()[1:] == (100, [1, 2])
-    finally:
-        main.close()
 
 
 def test_ranges_at_and_beyond_the_int64_limits_arrive_as_their_lists(monkeypatch):

@@ -221,6 +221,24 @@ def map_lines():
         return f.read().splitlines()
 
 
+@contextlib.contextmanager
+def loopback_channels(tag, task_capacity=1 << 16):
+    """Both ends of one channel in this process, file_system strategy, under a
+    fresh prefix of ours: (main, worker). The main end is closed on exit."""
+    import uuid
+
+    from fastloader import _core
+
+    prefix = f"{NAME_ROOT}-{os.getpid()}-{uuid.uuid4().hex[:10]}-{tag}"
+    main = _core.MainChannel(0, _core.STRATEGY_FS, prefix, task_capacity, 16)
+    h = main.handle()
+    try:
+        worker = _core.WorkerChannel(h, h["ctl_fd"], h["efd_main"], h["efd_worker"], h["sock"], 3)
+        yield main, worker
+    finally:
+        main.close()
+
+
 def shm_names():
     return set(glob.glob(SHM_GLOB))
 

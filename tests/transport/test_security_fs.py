@@ -29,6 +29,7 @@ from tests.support.helpers import (
     collect,
     deadline,
     is_gone,
+    loopback_channels,
     wait_until,
 )
 
@@ -322,29 +323,26 @@ def test_main_process_refuses_a_replaced_segment(how, tmp_path):
     payload = crafted_payload(marker)
     victim = tmp_path / "victim"
     victim.write_bytes(payload + bytes(64 << 20))
-    prefix = f"fastloader-{os.getpid()}-{uuid.uuid4().hex[:10]}-loopback"
-    main = _core.MainChannel(0, _core.STRATEGY_FS, prefix, 1 << 16, 16)
-    h = main.handle()
-    worker = _core.WorkerChannel(h, h["ctl_fd"], h["efd_main"], h["efd_worker"], h["sock"], 3)
     path = None
-    try:
-        assert main.put_index(0, [0])
-        worker.get_task()
-        worker.publish(_core.RES_BATCH, 0, {"x": torch.arange(1000.0)})
-        (name,) = ours(prefix)   # the arena; the control block's name is gone already
-        path = os.path.join(SHM, name)
-        _tamper(path, how, payload, victim)
-        with deadline(20), pytest.raises(RuntimeError) as info:
-            _core.recv((main,), 0, 5.0)
-        message = str(info.value)
-        assert path in message and "refused" in message, message
-        assert not os.path.exists(marker), "the replaced segment was decoded"
-        assert victim.read_bytes()[:len(payload)] == payload
-    finally:
-        if path is not None and os.path.lexists(path):
-            os.unlink(path)
-        main.close()
-        del worker
+    with loopback_channels("loopback") as (main, worker):
+        prefix = main.handle()["prefix"]
+        try:
+            assert main.put_index(0, [0])
+            worker.get_task()
+            worker.publish(_core.RES_BATCH, 0, {"x": torch.arange(1000.0)})
+            (name,) = ours(prefix)   # the arena; the control block's name is gone already
+            path = os.path.join(SHM, name)
+            _tamper(path, how, payload, victim)
+            with deadline(20), pytest.raises(RuntimeError) as info:
+                _core.recv((main,), 0, 5.0)
+            message = str(info.value)
+            assert path in message and "refused" in message, message
+            assert not os.path.exists(marker), "the replaced segment was decoded"
+            assert victim.read_bytes()[:len(payload)] == payload
+        finally:
+            if path is not None and os.path.lexists(path):
+                os.unlink(path)
+    del worker
     assert not ours(prefix)
 
 
