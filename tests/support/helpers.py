@@ -6,7 +6,10 @@ import gc
 import glob
 import os
 import re
+import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -125,6 +128,37 @@ class DeadlineExceeded(BaseException):
     """Raised by `deadline` (a BaseException so no loader code swallows or wraps it)."""
 
 
+def describe_children():
+    """Where every child process of this one is: its state, kernel wait channel and
+    system call (from /proc), and its threads' native stacks where gdb is installed.
+    For hangs: the main process's own stack is in the test's traceback already."""
+    lines = []
+    gdb = shutil.which("gdb")
+    for child in psutil.Process().children(recursive=True):
+        try:
+            lines.append(f"--- child {child.pid} {child.name()} {child.status()} "
+                         f"cmdline {' '.join(child.cmdline())[:200]}")
+        except psutil.Error as error:
+            lines.append(f"--- child {child.pid}: {error!r}")
+            continue
+        for what in ("wchan", "syscall"):
+            try:
+                with open(f"/proc/{child.pid}/{what}") as f:
+                    lines.append(f"    {what}: {f.read().strip()}")
+            except OSError as error:
+                lines.append(f"    {what}: {error!r}")
+        if gdb:
+            try:
+                out = subprocess.run([gdb, "-p", str(child.pid), "-batch", "-ex",
+                                      "thread apply all bt 30"], capture_output=True, text=True,
+                                     timeout=30).stdout
+            except (OSError, subprocess.SubprocessError) as error:
+                out = repr(error)
+            lines.extend("    " + line for line in out.splitlines()
+                         if line.startswith(("#", "Thread")))
+    return "\n".join(lines) or "no child processes"
+
+
 @contextlib.contextmanager
 def deadline(seconds, what="loader"):
     """Interrupt the main thread with DeadlineExceeded after `seconds` (SIGALRM).
@@ -133,6 +167,8 @@ def deadline(seconds, what="loader"):
     instead of a stuck suite; faulthandler_timeout is the backstop if even that fails.
     Interval timers are not inherited across fork, so workers are unaffected."""
     def on_alarm(signum, frame):
+        # a hang's cause is usually in a worker: say where each child is stuck
+        print(describe_children(), file=sys.stderr, flush=True)
         raise DeadlineExceeded(f"{what}: still running after {seconds} s (hang?)")
 
     previous = signal.signal(signal.SIGALRM, on_alarm)
