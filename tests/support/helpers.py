@@ -11,12 +11,13 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 
 import numpy as np
 import psutil
 import torch
 
-from fastloader import reaper
+from fastloader import _core, reaper
 from fastloader.sharing import NAME_ROOT, parse_segment_name
 
 SHM_GLOB = f"/dev/shm/{NAME_ROOT}-*"
@@ -261,10 +262,6 @@ def map_lines():
 def loopback_channels(tag, task_capacity=1 << 16):
     """Both ends of one channel in this process, file_system strategy, under a
     fresh prefix of ours: (main, worker). The main end is closed on exit."""
-    import uuid
-
-    from fastloader import _core
-
     prefix = f"{NAME_ROOT}-{os.getpid()}-{uuid.uuid4().hex[:10]}-{tag}"
     main = _core.MainChannel(0, _core.STRATEGY_FS, prefix, task_capacity, 16)
     h = main.handle()
