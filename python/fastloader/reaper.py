@@ -14,16 +14,20 @@ happened) and ``step(now) -> bool`` (do what can be done now; True when
 finished). pool.WorkerPool is the only one; this module knows nothing about it.
 
 Interpreter exit waits here (see ``drain``), so no worker outlives the program; a
-forked child starts with no jobs and no thread (the parent's are not its own)."""
+forked child starts with no jobs and no thread (the parent's are not its own).
+
+A pool forks while this thread may be starting or exiting; see ``still_for_fork``
+for why those moments are kept apart."""
 from __future__ import annotations
 
 import _thread
+import contextlib
 import os
 import threading
 import time
 from multiprocessing.connection import wait as _wait_fds
 
-__all__ = ["retire", "wait_idle", "drain", "pending", "busy"]
+__all__ = ["retire", "wait_idle", "drain", "pending", "still_for_fork"]
 
 # How often the thread looks again even if no fd woke it: new jobs, deadlines,
 # and a worker whose sentinel the user closed.
@@ -35,6 +39,9 @@ _MAX_FAILURES = 3
 # holds one of its processes), pause this long before looking again: the fds stay
 # ready, and waiting on them again at once would spin a CPU.
 _RETRY_S = 0.005
+# still_for_fork waits at most this long for a thread that is starting or exiting
+# (microseconds, normally) before it lets the fork go ahead anyway.
+_FORK_WAIT_S = 1.0
 
 
 class _State:
@@ -43,6 +50,9 @@ class _State:
         self.jobs: list = []
         self.failures: dict = {}
         self.running = False
+        # True while the thread runs _loop's Python code (it holds the GIL or waits
+        # for it or for this lock); False while it starts or exits (running or not).
+        self.looping = False
         self.tids: set = set()   # native ids of reaper threads that may not have exited
         self.idle = threading.Event()
         self.idle.set()
@@ -85,11 +95,35 @@ def pending() -> int:
         return len(_state.jobs)
 
 
-def busy() -> bool:
-    """Whether a reaper thread may be running now."""
+@contextlib.contextmanager
+def still_for_fork(timeout: float = _FORK_WAIT_S):
+    """Hold the reaper thread where a fork cannot catch it halfway; yields whether
+    a reaper thread may exist (then running _loop, or waiting for this lock in it).
+
+    The thread starts and exits without the GIL: CPython frees its thread state,
+    and the C library and an instrumented allocator (ASan) hand the thread's caches
+    back, taking allocator locks. A fork at that moment leaves the child with a lock
+    that no thread of it will ever release, and the worker hangs at its first
+    allocation: seen under `make test-asan` (GCC 12's libasan does not take its
+    allocator locks around fork). Inside _loop the thread only runs Python (under
+    the GIL, which the forking thread holds) or waits in poll/waitpid, which
+    allocate nothing. So: wait until the thread is inside _loop or gone, then hold
+    the lock it needs to leave _loop until the fork is done."""
     st = _state
-    with st.lock:
-        return st.running or bool(st.tids and _tids_alive(st))
+    end = time.monotonic() + timeout
+    while True:
+        st.lock.acquire()
+        if st.looping or not (st.running or (st.tids and _tids_alive(st))):
+            break
+        st.lock.release()
+        if time.monotonic() >= end:   # never expected: fork anyway, as before
+            st.lock.acquire()
+            break
+        time.sleep(0.0002)   # releases the GIL: the thread can get on
+    try:
+        yield st.running or bool(st.tids)
+    finally:
+        st.lock.release()
 
 
 def _tids_alive(st: _State) -> bool:
@@ -130,11 +164,13 @@ def drain(timeout: float) -> bool:
 def _run(st: _State) -> None:
     with st.lock:
         st.tids.add(_thread.get_native_id())
+        st.looping = True
     try:
         _loop(st)
     except BaseException:   # never expected; the next retire() starts a new thread
         with st.lock:
             st.running = False
+            st.looping = False
 
 
 def _loop(st: _State) -> None:
@@ -143,6 +179,7 @@ def _loop(st: _State) -> None:
             jobs = list(st.jobs)
             if not jobs:
                 st.running = False
+                st.looping = False
                 st.idle.set()
                 return
         fds = []
