@@ -46,7 +46,11 @@ _FORK_WAIT_S = 1.0
 
 class _State:
     def __init__(self):
-        self.lock = threading.Lock()
+        # Reentrant: the thread that forks holds it across the fork (still_for_fork),
+        # and a finalizer that runs there (garbage collection, at any allocation)
+        # may retire a dropped iterator's pool on that same thread.
+        self.lock = threading.RLock()
+        self.forking = 0   # still_for_fork's depth (only its thread sees it non-zero)
         self.jobs: list = []
         self.failures: dict = {}
         self.running = False
@@ -80,13 +84,19 @@ def retire(job) -> None:
     with st.lock:
         st.jobs.append(job)
         st.idle.clear()
-        if not st.running:
-            st.running = True
-            try:
-                _thread.start_new_thread(_run, (st,))
-            except BaseException:
-                st.running = False
-                raise
+        if not st.forking:   # else still_for_fork starts it once the fork is done
+            _start_thread(st)
+
+
+def _start_thread(st: _State) -> None:
+    # (st.lock held)
+    if not st.running:
+        st.running = True
+        try:
+            _thread.start_new_thread(_run, (st,))
+        except BaseException:
+            st.running = False
+            raise
 
 
 def pending() -> int:
@@ -120,10 +130,16 @@ def still_for_fork(timeout: float = _FORK_WAIT_S):
             st.lock.acquire()
             break
         time.sleep(0.0002)   # releases the GIL: the thread can get on
+    st.forking += 1
     try:
         yield st.running or bool(st.tids)
     finally:
-        st.lock.release()
+        st.forking -= 1
+        try:
+            if st.jobs and not st.forking:
+                _start_thread(st)   # retired during the fork (see _State.lock)
+        finally:
+            st.lock.release()
 
 
 def _tids_alive(st: _State) -> bool:

@@ -11,6 +11,7 @@ to linger before _loop (starting) or after it (exiting), or the fork itself is
 slowed while the thread's last job finishes. A wrapper around os.fork (which
 multiprocessing's fork start method calls) records the reaper's state at the
 moment of each fork, in the parent."""
+import gc
 import os
 import threading
 import time
@@ -19,7 +20,7 @@ import pytest
 
 from fastloader import DataLoader, reaper
 from tests.support import reliability_datasets as rd
-from tests.support.helpers import deadline, settle, wait_until
+from tests.support.helpers import deadline, is_reaped, settle, wait_until
 
 
 class _Watch:
@@ -130,3 +131,29 @@ def test_the_reaper_thread_stays_in_its_loop_during_a_fork(watch):
     running, in_loop, alive = watch.states[0]
     assert running and in_loop and alive, watch.states[0]
     assert reaper.wait_idle(30), "the thread should exit once the fork is done"
+
+
+def test_a_pool_dropped_during_a_fork_is_reaped(watch):
+    """Garbage collection may run at any allocation, also inside a fork, where
+    the reaper's lock is held: an iterator dropped in a reference cycle then
+    retires its pool on the forking thread. That must neither deadlock nor lose
+    the pool: its workers are reaped once the fork is done."""
+    loader = DataLoader(rd.SmallDataset(n=8), batch_size=4, num_workers=1,
+                        multiprocessing_context="fork")
+    with deadline(60):
+        it = iter(loader)
+        next(it)
+    pids = list(it.worker_pids)
+    it.cycle = it   # only the cyclic collector can free it
+    del it
+    collected = []
+
+    def collect_once():
+        if not collected:
+            collected.append(gc.collect())
+
+    watch.before_fork.append(collect_once)
+    _one_epoch()
+    assert collected and collected[0] > 0, "the dropped iterator was not collected in the fork"
+    assert reaper.wait_idle(30)
+    assert all(is_reaped(p) for p in pids), [p for p in pids if not is_reaped(p)]
