@@ -54,9 +54,9 @@ class _State:
         self.jobs: list = []
         self.failures: dict = {}
         self.running = False
-        # True while the thread runs _loop's Python code (it holds the GIL or waits
-        # for it or for this lock); False while it starts or exits (running or not).
-        self.looping = False
+        # native id of the thread inside _loop (it holds the GIL or waits for it or
+        # for this lock); None while it starts or exits, or when there is none.
+        self.loop_tid = None
         self.tids: set = set()   # native ids of reaper threads that may not have exited
         self.idle = threading.Event()
         self.idle.set()
@@ -94,8 +94,8 @@ def _start_thread(st: _State) -> None:
         st.running = True
         try:
             _thread.start_new_thread(_run, (st,))
-        except BaseException:
-            st.running = False
+        except Exception:   # not started; an async exception (KeyboardInterrupt)
+            st.running = False   # raised just after the start must not say so
             raise
 
 
@@ -106,9 +106,9 @@ def pending() -> int:
 
 
 @contextlib.contextmanager
-def still_for_fork(timeout: float = _FORK_WAIT_S):
+def still_for_fork(timeout: "float | None" = None):
     """Hold the reaper thread where a fork cannot catch it halfway; yields whether
-    a reaper thread may exist (then running _loop, or waiting for this lock in it).
+    a reaper thread may exist.
 
     The thread starts and exits without the GIL: CPython frees its thread state,
     and the C library and an instrumented allocator (ASan) hand the thread's caches
@@ -117,29 +117,32 @@ def still_for_fork(timeout: float = _FORK_WAIT_S):
     allocation: seen under `make test-asan` (GCC 12's libasan does not take its
     allocator locks around fork). Inside _loop the thread only runs Python (under
     the GIL, which the forking thread holds) or waits in poll/waitpid, which
-    allocate nothing. So: wait until the thread is inside _loop or gone, then hold
-    the lock it needs to leave _loop until the fork is done."""
+    allocate nothing. So: wait until no reaper thread is starting or exiting (one
+    may still be exiting while the next one loops), then hold the lock the one in
+    _loop needs to leave it until the fork is done."""
     st = _state
-    end = time.monotonic() + timeout
+    end = time.monotonic() + (_FORK_WAIT_S if timeout is None else timeout)
     while True:
-        st.lock.acquire()
-        if st.looping or not (st.running or (st.tids and _tids_alive(st))):
-            break
-        st.lock.release()
-        if time.monotonic() >= end:   # never expected: fork anyway, as before
-            st.lock.acquire()
-            break
+        with st.lock:   # only `with`: released on any exception, also a signal handler's
+            st.forking += 1   # a retire() on this thread meanwhile (a finalizer) only queues
+            try:
+                if _quiet(st) or time.monotonic() >= end:   # (timeout: never expected)
+                    yield st.running or bool(st.tids)
+                    return
+            finally:
+                st.forking -= 1
+                if st.jobs and not st.forking:
+                    _start_thread(st)   # retired meanwhile (see _State.lock)
         time.sleep(0.0002)   # releases the GIL: the thread can get on
-    st.forking += 1
-    try:
-        yield st.running or bool(st.tids)
-    finally:
-        st.forking -= 1
-        try:
-            if st.jobs and not st.forking:
-                _start_thread(st)   # retired during the fork (see _State.lock)
-        finally:
-            st.lock.release()
+
+
+def _quiet(st: _State) -> bool:
+    """(st.lock held) No reaper thread is starting or exiting: the one in _loop,
+    if any, is the only one alive."""
+    if st.running and st.loop_tid is None:
+        return False   # starting
+    _tids_alive(st)
+    return not (st.tids - {st.loop_tid})
 
 
 def _tids_alive(st: _State) -> bool:
@@ -178,15 +181,16 @@ def drain(timeout: float) -> bool:
 
 
 def _run(st: _State) -> None:
-    with st.lock:
-        st.tids.add(_thread.get_native_id())
-        st.looping = True
+    me = _thread.get_native_id()
     try:
+        with st.lock:
+            st.tids.add(me)
+            st.loop_tid = me
         _loop(st)
     except BaseException:   # never expected; the next retire() starts a new thread
         with st.lock:
             st.running = False
-            st.looping = False
+            st.loop_tid = None
 
 
 def _loop(st: _State) -> None:
@@ -195,7 +199,7 @@ def _loop(st: _State) -> None:
             jobs = list(st.jobs)
             if not jobs:
                 st.running = False
-                st.looping = False
+                st.loop_tid = None
                 st.idle.set()
                 return
         fds = []

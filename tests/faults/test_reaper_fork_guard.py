@@ -1,4 +1,4 @@
-"""A pool never forks while the reaper thread (reaper.py) is starting or exiting.
+"""A pool never forks while a reaper thread (reaper.py) is starting or exiting.
 
 In those moments the thread runs without the GIL and may hold an allocator lock
 (CPython frees its thread state; the C library and ASan's allocator hand its caches
@@ -6,11 +6,13 @@ back); a worker forked then inherits that lock held and hangs at its first
 allocation. Seen under `make test-asan` as a forked worker stuck in a futex in
 libasan's allocator region, after hundreds of loader lifetimes.
 
-The real windows last microseconds, so these tests widen them: the thread is made
+The real windows last microseconds, so these tests widen them: a thread is made
 to linger before _loop (starting) or after it (exiting), or the fork itself is
-slowed while the thread's last job finishes. A wrapper around os.fork (which
-multiprocessing's fork start method calls) records the reaper's state at the
-moment of each fork, in the parent."""
+slowed while the thread's last job finishes. A lingering thread stops lingering
+when a fork happens (or after LINGER_S): without the guard the fork comes at once
+and is recorded mid-window; with it, the fork waits for the window to close. A
+wrapper around os.fork (which multiprocessing's fork start method calls) records
+the reaper's state at the moment of each fork, in the parent."""
 import gc
 import os
 import threading
@@ -18,27 +20,35 @@ import time
 
 import pytest
 
-from fastloader import DataLoader, reaper
+from fastloader import reaper
+from fastloader import DataLoader
 from tests.support import reliability_datasets as rd
 from tests.support.helpers import deadline, is_reaped, settle, wait_until
 
+LINGER_S = 2.0
+
 
 class _Watch:
-    """What the reaper thread is doing, recorded by wrappers around reaper._run and
-    reaper._loop (both versions of reaper.py call _loop from _run), and the
-    reaper's state at each os.fork in this process (the fork start method calls
-    os.fork), in the parent, after `before_fork` callbacks ran."""
+    """What reaper threads are doing, recorded by wrappers around reaper._run and
+    reaper._loop (both older and newer reaper.py call _loop from _run)."""
 
     def __init__(self):
-        self.in_loop = False
-        self.tid = None
-        self.linger_before_loop = 0.0
-        self.linger_after_loop = 0.0
+        self.in_loop = set()    # native ids of threads inside _loop
+        self.starting = set()   # ... lingering before it
+        self.exiting = set()    # ... lingering after it
+        self.linger_before_loop = False
+        self.linger_after_loop = False
+        self.forked = threading.Event()   # ends every linger
         self.before_fork = []
-        self.states = []   # (running, in _loop, the thread exists)
+        self.states = []   # per fork: (running, in_loop, starting, exiting)
 
-    def thread_alive(self):
-        return self.tid is not None and os.path.exists(f"/proc/self/task/{self.tid}")
+    def linger(self, where):
+        me = threading.get_native_id()
+        where.add(me)
+        try:
+            self.forked.wait(LINGER_S)
+        finally:
+            where.discard(me)
 
 
 @pytest.fixture
@@ -49,27 +59,34 @@ def watch(monkeypatch):
     def fork():
         for callback in w.before_fork:
             callback()
-        w.states.append((reaper._state.running, w.in_loop, w.thread_alive()))
+        w.states.append((reaper._state.running, set(w.in_loop), set(w.starting),
+                         set(w.exiting)))
+        w.forked.set()
         return real_fork()
 
     def run(st):
-        w.tid = threading.get_native_id()
-        time.sleep(w.linger_before_loop)   # started, not yet in _loop
+        if w.linger_before_loop:
+            w.linger(w.starting)
         real_run(st)
 
     def loop(st):
-        w.in_loop = True
+        me = threading.get_native_id()
+        w.in_loop.add(me)
         try:
             real_loop(st)
         finally:
-            w.in_loop = False
-        time.sleep(w.linger_after_loop)   # out of _loop, not yet gone
+            w.in_loop.discard(me)
+        if w.linger_after_loop:
+            w.linger(w.exiting)
 
     settle()   # no reaper thread of an earlier test
     monkeypatch.setattr(os, "fork", fork)
     monkeypatch.setattr(reaper, "_run", run)
     monkeypatch.setattr(reaper, "_loop", loop)
+    # the guard's own limit must not end a wait that the linger makes long
+    monkeypatch.setattr(reaper, "_FORK_WAIT_S", 30.0)
     yield w
+    w.forked.set()
     monkeypatch.undo()
     assert reaper.wait_idle(30)
 
@@ -95,24 +112,40 @@ def _one_epoch():
 
 
 def test_no_fork_while_the_reaper_thread_exits(watch):
-    watch.linger_after_loop = 0.5   # the exit's window, widened
+    watch.linger_after_loop = True
     reaper.retire(_Job())
-    assert wait_until(lambda: not reaper._state.running, 10)
-    assert watch.thread_alive() and not watch.in_loop, "the thread should linger"
+    assert wait_until(lambda: watch.exiting, 10), "the thread should linger"
     _one_epoch()
     assert watch.states, "no fork was seen"
-    assert all(in_loop or not alive for _, in_loop, alive in watch.states), \
+    assert not any(exiting for *_, exiting in watch.states), \
         f"forked while the reaper thread was exiting: {watch.states}"
 
 
 def test_no_fork_while_the_reaper_thread_starts(watch):
-    watch.linger_before_loop = 0.5   # the start's window, widened
+    watch.linger_before_loop = True
     reaper.retire(_Job())
-    assert reaper._state.running and not watch.in_loop
     _one_epoch()
     assert watch.states, "no fork was seen"
-    assert all(in_loop or not running for running, in_loop, _ in watch.states), \
+    assert not any(starting for _, _, starting, _ in watch.states), \
         f"forked while the reaper thread was starting: {watch.states}"
+
+
+def test_no_fork_while_one_thread_exits_and_the_next_one_loops(watch):
+    """A pool retired while the last thread exits starts the next one: that one
+    being in _loop does not make the exiting one safe."""
+    watch.linger_after_loop = True
+    reaper.retire(_Job())
+    assert wait_until(lambda: watch.exiting, 10), "the first thread should linger"
+    finished = []
+    reaper.retire(_Job(done=lambda: bool(finished)))
+    assert wait_until(lambda: watch.in_loop, 10), "the second thread should loop"
+    try:
+        _one_epoch()
+    finally:
+        finished.append(True)
+    assert watch.states, "no fork was seen"
+    assert not any(exiting for *_, exiting in watch.states), \
+        f"forked while a reaper thread was exiting: {watch.states}"
 
 
 def test_the_reaper_thread_stays_in_its_loop_during_a_fork(watch):
@@ -128,8 +161,8 @@ def test_the_reaper_thread_stays_in_its_loop_during_a_fork(watch):
 
     watch.before_fork.append(finish_the_job_and_give_the_thread_time)
     _one_epoch()
-    running, in_loop, alive = watch.states[0]
-    assert running and in_loop and alive, watch.states[0]
+    running, in_loop, _, _ = watch.states[0]
+    assert running and in_loop, watch.states[0]
     assert reaper.wait_idle(30), "the thread should exit once the fork is done"
 
 
@@ -157,3 +190,41 @@ def test_a_pool_dropped_during_a_fork_is_reaped(watch):
     assert collected and collected[0] > 0, "the dropped iterator was not collected in the fork"
     assert reaper.wait_idle(30)
     assert all(is_reaped(p) for p in pids), [p for p in pids if not is_reaped(p)]
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def test_an_exception_while_waiting_to_fork_releases_the_lock(watch, monkeypatch):
+    """A signal handler may raise at any bytecode (SIGALRM, SIGTERM handlers), also
+    while the forking thread checks the reaper's state: the lock must not stay
+    held, or the reaper thread could never finish (nor exit) again."""
+    watch.linger_after_loop = True
+    reaper.retire(_Job())
+    assert wait_until(lambda: watch.exiting, 10), "the thread should linger"
+    real_tids_alive = reaper._tids_alive
+    raised = []
+
+    def interrupted_once(st):
+        if not raised:
+            raised.append(True)
+            raise _Interrupted
+        return real_tids_alive(st)
+
+    monkeypatch.setattr(reaper, "_tids_alive", interrupted_once)
+    with pytest.raises(_Interrupted):
+        with reaper.still_for_fork():
+            pass
+    got = []
+
+    def take_and_give_back():
+        taken = reaper._state.lock.acquire(timeout=10)
+        got.append(taken)
+        if taken:
+            reaper._state.lock.release()
+
+    other = threading.Thread(target=take_and_give_back)
+    other.start()
+    other.join()
+    assert got == [True], "the reaper's lock is still held after the exception"
