@@ -118,24 +118,18 @@ _PICKLE_HINT = (
 
 @contextlib.contextmanager
 def _reaper_thread_is_fork_safe(method):
-    """Fork only while the reaper thread (reaper.py) is where a fork cannot catch
-    it halfway (see reaper.still_for_fork).
-
-    Python 3.12+ also warns at fork() when the process has other threads. While the
-    reaper thread waits for a past epoch's workers, that warning is about our own
-    thread, which holds no lock a child could need (the child starts with a fresh
-    reaper state): do not let it fire for it."""
-    if method != "fork":
+    """Python 3.12+ warns at fork() when the process has other threads. While the
+    reaper thread (reaper.py) waits for a past epoch's workers, that warning is
+    about our own thread, which no fork catches holding a lock (see
+    reaper._before_fork), and the child starts with a fresh reaper state: do not
+    let it fire for it."""
+    if method != "fork" or not reaper.busy():
         yield
         return
-    with reaper.still_for_fork() as thread_exists:
-        if not thread_exists:
-            yield
-            return
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=r"This process \(pid=\d+\) is multi-threaded",
-                                    category=DeprecationWarning)
-            yield
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"This process \(pid=\d+\) is multi-threaded",
+                                category=DeprecationWarning)
+        yield
 
 
 class WorkerPool:

@@ -16,18 +16,17 @@ finished). pool.WorkerPool is the only one; this module knows nothing about it.
 Interpreter exit waits here (see ``drain``), so no worker outlives the program; a
 forked child starts with no jobs and no thread (the parent's are not its own).
 
-A pool forks while this thread may be starting or exiting; see ``still_for_fork``
-for why those moments are kept apart."""
+No fork of this process (a pool's worker, torch's, the user's) happens while this
+thread starts or exits: see ``_before_fork`` for why."""
 from __future__ import annotations
 
 import _thread
-import contextlib
 import os
 import threading
 import time
 from multiprocessing.connection import wait as _wait_fds
 
-__all__ = ["retire", "wait_idle", "drain", "pending", "still_for_fork"]
+__all__ = ["retire", "wait_idle", "drain", "pending", "busy"]
 
 # How often the thread looks again even if no fd woke it: new jobs, deadlines,
 # and a worker whose sentinel the user closed.
@@ -39,18 +38,20 @@ _MAX_FAILURES = 3
 # holds one of its processes), pause this long before looking again: the fds stay
 # ready, and waiting on them again at once would spin a CPU.
 _RETRY_S = 0.005
-# still_for_fork waits at most this long for a thread that is starting or exiting
-# (microseconds, normally) before it lets the fork go ahead anyway.
+# A fork waits at most this long for a thread that is starting or exiting
+# (microseconds, normally) before it goes ahead anyway.
 _FORK_WAIT_S = 1.0
 
 
 class _State:
     def __init__(self):
-        # Reentrant: the thread that forks holds it across the fork (still_for_fork),
-        # and a finalizer that runs there (garbage collection, at any allocation)
-        # may retire a dropped iterator's pool on that same thread.
-        self.lock = threading.RLock()
-        self.forking = 0   # still_for_fork's depth (only its thread sees it non-zero)
+        # Never held across a fork or any wait: a fork's other hooks take the import
+        # and logging locks, and a thread holding one of those may run a finalizer
+        # (garbage collection) that retires a pool here.
+        self.lock = threading.Lock()
+        # forks under way in this process (_before_fork .. _after_fork_in_parent):
+        # meanwhile no thread starts and the one in _loop does not leave it
+        self.forking = 0
         self.jobs: list = []
         self.failures: dict = {}
         self.running = False
@@ -70,11 +71,15 @@ def _after_fork_in_child():
     _state = _State()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+# (looked up at each fork, so that tests can observe the moment of the fork)
+os.register_at_fork(before=lambda: _before_fork(),
+                    after_in_parent=lambda: _after_fork_in_parent(),
+                    after_in_child=_after_fork_in_child)
 
 
 def retire(job) -> None:
-    """Hand `job` to the reaper thread (started if it is not running).
+    """Hand `job` to the reaper thread (started if it is not running; during a
+    fork, once the fork is done).
 
     The thread is started with _thread, not threading.Thread: Thread.start()
     waits until the new thread runs, which on a busy box (the workers that were
@@ -84,7 +89,7 @@ def retire(job) -> None:
     with st.lock:
         st.jobs.append(job)
         st.idle.clear()
-        if not st.forking:   # else still_for_fork starts it once the fork is done
+        if not st.forking:   # else _after_fork_in_parent starts it
             _start_thread(st)
 
 
@@ -94,8 +99,8 @@ def _start_thread(st: _State) -> None:
         st.running = True
         try:
             _thread.start_new_thread(_run, (st,))
-        except Exception:   # not started; an async exception (KeyboardInterrupt)
-            st.running = False   # raised just after the start must not say so
+        except (RuntimeError, MemoryError):   # not started ("can't start new thread");
+            st.running = False   # any other exception came after the start
             raise
 
 
@@ -105,35 +110,51 @@ def pending() -> int:
         return len(_state.jobs)
 
 
-@contextlib.contextmanager
-def still_for_fork(timeout: "float | None" = None):
-    """Hold the reaper thread where a fork cannot catch it halfway; yields whether
-    a reaper thread may exist.
+def busy() -> bool:
+    """Whether a reaper thread may exist now."""
+    st = _state
+    with st.lock:
+        return st.running or bool(st.tids and _tids_alive(st))
+
+
+def _before_fork() -> None:
+    """Wait until no reaper thread is starting or exiting, and keep it so until the
+    fork is done (`forking`).
 
     The thread starts and exits without the GIL: CPython frees its thread state,
     and the C library and an instrumented allocator (ASan) hand the thread's caches
     back, taking allocator locks. A fork at that moment leaves the child with a lock
-    that no thread of it will ever release, and the worker hangs at its first
+    that no thread of it will ever release, and the child hangs at its first
     allocation: seen under `make test-asan` (GCC 12's libasan does not take its
-    allocator locks around fork). Inside _loop the thread only runs Python (under
-    the GIL, which the forking thread holds) or waits in poll/waitpid, which
-    allocate nothing. So: wait until no reaper thread is starting or exiting (one
-    may still be exiting while the next one loops), then hold the lock the one in
-    _loop needs to leave it until the fork is done."""
+    allocator locks around fork). Inside _loop the thread holds the GIL (which the
+    forking thread holds at the fork) or waits in the kernel (poll, waitpid,
+    sleep, a lock), with no allocator lock held. One thread may still be exiting
+    while the next one loops: both are looked at. Runs for every fork of the
+    process, as the first of Python's at-fork hooks (registered at import)."""
     st = _state
-    end = time.monotonic() + (_FORK_WAIT_S if timeout is None else timeout)
+    with st.lock:
+        st.forking += 1
+    end = None
     while True:
-        with st.lock:   # only `with`: released on any exception, also a signal handler's
-            st.forking += 1   # a retire() on this thread meanwhile (a finalizer) only queues
-            try:
-                if _quiet(st) or time.monotonic() >= end:   # (timeout: never expected)
-                    yield st.running or bool(st.tids)
-                    return
-            finally:
-                st.forking -= 1
-                if st.jobs and not st.forking:
-                    _start_thread(st)   # retired meanwhile (see _State.lock)
+        with st.lock:
+            if _quiet(st):
+                return
+        now = time.monotonic()
+        end = end or now + _FORK_WAIT_S
+        if now >= end:   # never expected: fork anyway
+            return
         time.sleep(0.0002)   # releases the GIL: the thread can get on
+
+
+def _after_fork_in_parent() -> None:
+    st = _state
+    with st.lock:
+        st.forking = max(0, st.forking - 1)
+        if st.jobs and not st.forking:
+            try:
+                _start_thread(st)   # retired during the fork
+            except (RuntimeError, MemoryError):
+                pass   # stays queued: the next retire() or wait_idle() starts it
 
 
 def _quiet(st: _State) -> bool:
@@ -155,6 +176,9 @@ def wait_idle(timeout: float) -> bool:
     exited; False if that took longer than `timeout` seconds."""
     st = _state
     end = time.monotonic() + timeout
+    with st.lock:   # a job queued while no thread could start (see retire)
+        if st.jobs and not st.forking:
+            _start_thread(st)
     if not st.idle.wait(timeout):
         return False
     while True:
@@ -197,7 +221,7 @@ def _loop(st: _State) -> None:
     while True:
         with st.lock:
             jobs = list(st.jobs)
-            if not jobs:
+            if not jobs and not st.forking:
                 st.running = False
                 st.loop_tid = None
                 st.idle.set()
