@@ -130,7 +130,8 @@ def _before_fork() -> None:
     forking thread holds at the fork) or waits in the kernel (poll, waitpid,
     sleep, a lock), with no allocator lock held. One thread may still be exiting
     while the next one loops: both are looked at. Runs for every fork of the
-    process, as the first of Python's at-fork hooks (registered at import)."""
+    process (an at-fork hook registered at import; Python runs `before` hooks in
+    reverse order of registration, so hooks registered later run before it)."""
     st = _state
     with st.lock:
         st.forking += 1
