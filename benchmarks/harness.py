@@ -412,7 +412,7 @@ def warm_up(loader, batches):
 
 
 def run_alternating(build_loader, loader_classes, repeats, warmup_batches, on_run=None,
-                    measure=time_one_epoch, pss_sampler=None, warm=True):
+                    measure=time_one_epoch, warm=True):
     """Time ``repeats`` epochs per loader class, alternating the classes.
 
     ``build_loader(cls)`` returns a fresh loader; ``loader_classes`` maps a
@@ -420,10 +420,8 @@ def run_alternating(build_loader, loader_classes, repeats, warmup_batches, on_ru
     runs one epoch and returns its result (``time_one_epoch`` by default).
     Returns ``{name: [result, ...]}``.
     ``on_run(repeat, name, result)`` is called after every run (for progress).
-    ``pss_sampler`` (a ``benchmarks.pss.PssSampler``), if given, samples the
-    PSS of the process tree from before the loader is built until its epoch
-    ends; the peak goes into the result. ``warm=False`` skips the untimed
-    epoch per loader class (for a caller that already ran one).
+    ``warm=False`` skips the untimed epoch per loader class (for a caller that
+    already ran one). Nothing samples memory here: see ``run_memory_epochs``.
     """
     names = list(loader_classes)
     results = {name: [] for name in names}
@@ -436,19 +434,41 @@ def run_alternating(build_loader, loader_classes, repeats, warmup_batches, on_ru
     for repeat in range(repeats):
         order = names if repeat % 2 == 0 else names[::-1]
         for name in order:
-            if pss_sampler is not None:
-                pss_sampler.start()
             loader = build_loader(loader_classes[name])
             result = measure(loader, warmup_batches)
-            if pss_sampler is not None:
-                peak = pss_sampler.stop()
-                result = dataclasses.replace(result, peak_pss_bytes=peak["peak_bytes"],
-                                             peak_main_pss_bytes=peak["peak_main_bytes"])
             del loader
             wait_for_workers_to_exit(children_before)
             results[name].append(result)
             if on_run is not None:
                 on_run(repeat, name, result)
+    return results
+
+
+def run_memory_epochs(build_loader, loader_classes, warmup_batches, pss_sampler,
+                      measure=time_one_epoch):
+    """One more epoch per loader class, untimed, with ``pss_sampler`` (a
+    ``benchmarks.pss.PssSampler``) sampling the PSS of the process tree from
+    before the loader is built until its epoch ends. Returns ``{name: result}``,
+    the result carrying the peaks.
+
+    Memory is sampled in epochs of its own, never in the timed ones: reading
+    smaps_rollup walks every page table of every process of the tree, about
+    10 ms of kernel CPU per torch process, so sampling every 0.1 s takes a
+    quarter to a third of a core. On a 2-core box that is CPU a multi-process
+    loader needs and an in-process one does not, so it would bias both the
+    ratios and the efficiency figure.
+    """
+    children_before = {child.pid for child in psutil.Process().children(recursive=True)}
+    results = {}
+    for name, cls in loader_classes.items():
+        pss_sampler.start()
+        loader = build_loader(cls)
+        result = measure(loader, warmup_batches)
+        peak = pss_sampler.stop()
+        del loader
+        wait_for_workers_to_exit(children_before)
+        results[name] = dataclasses.replace(result, peak_pss_bytes=peak["peak_bytes"],
+                                            peak_main_pss_bytes=peak["peak_main_bytes"])
     return results
 
 

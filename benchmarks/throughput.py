@@ -35,6 +35,7 @@ import argparse
 import functools
 import os
 import platform
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -55,6 +56,7 @@ from benchmarks.harness import (
     positive_int,
     progress,
     run_alternating,
+    run_memory_epochs,
     time_next_calls,
     time_steady_epoch,
     wait_for_workers_to_exit,
@@ -364,7 +366,9 @@ def benchmark_workload(workload, args, specs, pss_sampler=None):
                      f"{workload.unit}, first batch {result.first_batch_s * 1e3:.0f} ms")
 
     runs = run_alternating(build, specs, args.repeats, warmup, on_run, measure=workload.measure,
-                           pss_sampler=pss_sampler, warm=False)
+                           warm=False)
+    memory = {} if pss_sampler is None else run_memory_epochs(
+        build, specs, warmup, pss_sampler, measure=workload.measure)
     value = {name: Stats.of(value_of(workload, r) for r in rs) for name, rs in runs.items()}
     first_batch_ms = {name: Stats.of(r.first_batch_s * 1e3 for r in rs) for name, rs in runs.items()}
 
@@ -376,10 +380,9 @@ def benchmark_workload(workload, args, specs, pss_sampler=None):
                       for name, rs in runs.items()}
     total_cpu_us = {name: stats_or_none(rs, "total_cpu_us_per_sample") for name, rs in runs.items()}
     peak_pss_mib = {}
-    for name, rs in runs.items():
-        peaks = stats_or_none(rs, "peak_pss_bytes")
-        peak_pss_mib[name] = None if peaks is None else Stats(
-            peaks.median / MIB, peaks.low / MIB, peaks.high / MIB)
+    for name in runs:
+        peak = getattr(memory.get(name), "peak_pss_bytes", None)
+        peak_pss_mib[name] = None if peak is None else Stats.of([peak / MIB])
     arena_mib = {}
     for name, rs in runs.items():
         last = getattr(rs[-1], "arena_bytes_per_worker", None) if rs else None
@@ -389,7 +392,9 @@ def benchmark_workload(workload, args, specs, pss_sampler=None):
                        for mine, ref in zip(rs, runs[TORCH]))
         for name, rs in runs.items()
     }
-    agrees = loaders_agreeing(runs, TORCH)
+    # the memory epochs delivered data too: it must agree as well
+    agrees = loaders_agreeing({name: rs + ([memory[name]] if name in memory else [])
+                               for name, rs in runs.items()}, TORCH)
     efficiency = {}
     baseline = value.get(IN_PROCESS)
     parallel = min(args.num_workers, usable_cpus())
@@ -397,7 +402,11 @@ def benchmark_workload(workload, args, specs, pss_sampler=None):
         if baseline is None or workload.lower_is_better or name == IN_PROCESS:
             efficiency[name] = None
         else:
-            efficiency[name] = value[name].median / (baseline.median * parallel)
+            # paired per repeat, as the ratios to torch are: the in-process run of
+            # the same repeat saw the same state of a shared, drifting machine
+            efficiency[name] = statistics.median(
+                value_of(workload, mine) / (value_of(workload, ref) * parallel)
+                for mine, ref in zip(runs[name], runs[IN_PROCESS]))
     paired_ratios = ratios[FASTLOADER]
     return WorkloadReport(
         workload=workload,
@@ -477,10 +486,10 @@ def render_report(reports, args, skipped=None, unavailable=None):
         "Ratio = median over repeats of fastloader / torch within the repeat (for us/batch, a "
         "time: torch / fastloader, so higher is better everywhere); in brackets its range. "
         "\"Within noise\": the median misses the budget but some repeat meets it.",
-        f"Efficiency = rate / (in-process rate x min(workers, usable CPUs) = "
-        f"{min(args.num_workers, usable_cpus())}); in-process: fastloader.DataLoader("
-        "num_workers=0), the same runs. 1.0 = every core does the dataset's work and nothing "
-        "else.",
+        f"Efficiency = median over repeats of rate / (in-process rate of the same repeat x "
+        f"min(workers, usable CPUs) = {min(args.num_workers, usable_cpus())}); in-process: "
+        "fastloader.DataLoader(num_workers=0), the same runs. 1.0 = every core does the "
+        "dataset's work and nothing else.",
     ]
     if any(report.workload.lower_is_better for report in reports):
         notes.append(f"next_overhead: median wall time of one next() in the main process while "
@@ -543,8 +552,9 @@ def render_loaders_table(reports, args, unavailable):
     notes = ["", "Every loader on the same dataset objects, interleaved in the same repeats "
              "(order flipped every repeat); x torch: the loader's rate / torch's in the same "
              "repeat (median, range). Peak PSS: the main process and every process it "
-             "started, sampled every 0.1 s from building the loader to the end of its epoch "
-             "(median over repeats); fastloader's shared ring arena per worker in brackets. "
+             "started, sampled every 0.1 s from building the loader to the end of its epoch, "
+             "in one more untimed epoch per loader (sampling costs CPU, so no timed epoch is "
+             "sampled); fastloader's shared ring arena per worker in brackets. "
              "CPU: main process (all threads) + workers, per timed sample. 'in-process' is "
              "the efficiency baseline (num_workers=0), not a competitor."]
     for name, reason in unavailable.items():
