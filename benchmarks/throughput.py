@@ -64,6 +64,7 @@ from benchmarks.harness import (
     write_json,
 )
 from benchmarks.loaders import FASTLOADER, IN_PROCESS, TORCH
+from benchmarks.ceiling import machine_ceiling
 from benchmarks.pss import PssSampler
 
 # Efficiency (DESIGN.md "Budgets"): steady-state epoch time of the loader against
@@ -187,6 +188,9 @@ class WorkloadReport:
     arena_mib: dict = field(default_factory=dict)  # name -> per-worker MiB list or None
     not_run: dict = field(default_factory=dict)  # name -> why it did not run this workload
     kinds: dict = field(default_factory=dict)  # name -> "processes" / "threads" / "in-process"
+    # benchmarks.ceiling: what the CPUs give k independent copies of the in-process
+    # work (1.0 = linear); only for workloads with an efficiency budget
+    machine_ceiling: Optional[Stats] = None
 
     @property
     def met(self):
@@ -369,6 +373,12 @@ def benchmark_workload(workload, args, specs, pss_sampler=None):
                            warm=False)
     memory = {} if pss_sampler is None else run_memory_epochs(
         build, specs, warmup, pss_sampler, measure=workload.measure)
+    ceiling = None
+    if workload.efficiency_budget is not None and IN_PROCESS in specs:
+        ceiling = Stats.of(
+            machine_ceiling(build(specs[IN_PROCESS]), workload.measure, warmup,
+                            min(args.num_workers, usable_cpus()))
+            for _ in range(args.repeats))
     value = {name: Stats.of(value_of(workload, r) for r in rs) for name, rs in runs.items()}
     first_batch_ms = {name: Stats.of(r.first_batch_s * 1e3 for r in rs) for name, rs in runs.items()}
 
@@ -423,6 +433,7 @@ def benchmark_workload(workload, args, specs, pss_sampler=None):
         ratios=ratios,
         agrees=agrees,
         efficiency=efficiency,
+        machine_ceiling=ceiling,
         total_cpu_us=total_cpu_us,
         peak_pss_mib=peak_pss_mib,
         arena_mib=arena_mib,
@@ -445,6 +456,10 @@ def _format_stats(stats, unit):
             f"({_format_rate(stats.low, unit)}-{_format_rate(stats.high, unit)})")
 
 
+def _format_opt_stats(stats):
+    return "-" if stats is None else f"{stats.median:.2f} ({stats.low:.2f}-{stats.high:.2f})"
+
+
 def _format_cpu(workers_cpu_us):
     fast, reference = workers_cpu_us.get(FASTLOADER), workers_cpu_us.get(TORCH)
     if fast is None or reference is None:
@@ -457,7 +472,7 @@ def render_report(reports, args, skipped=None, unavailable=None):
     """The budget table (fastloader vs torch), then every loader per workload."""
     headers = ["workload", "unit", "fastloader median (min-max)", "torch median (min-max)",
                "ratio (per-repeat min-max)", "budget", "result",
-               "efficiency (budget)", "1st batch ms fastloader / torch",
+               "efficiency (budget)", "machine ceiling", "1st batch ms fastloader / torch",
                "worker CPU us/sample fastloader / torch"]
     rows = []
     for report in reports:
@@ -471,6 +486,7 @@ def render_report(reports, args, skipped=None, unavailable=None):
             report.workload.budget_text,
             report.verdict,
             report.efficiency_verdict,
+            _format_opt_stats(report.machine_ceiling),
             f"{report.first_batch_ms[FASTLOADER].median:.0f} / {report.first_batch_ms[TORCH].median:.0f}",
             _format_cpu(report.workers_cpu_us),
         ])
@@ -490,6 +506,10 @@ def render_report(reports, args, skipped=None, unavailable=None):
         f"min(workers, usable CPUs) = {min(args.num_workers, usable_cpus())}); in-process: "
         "fastloader.DataLoader(num_workers=0), the same runs. 1.0 = every core does the "
         "dataset's work and nothing else.",
+        "Machine ceiling (benchmarks/ceiling.py): the in-process epoch run in one process, then "
+        "in that many processes at once with no loader between them: one's time / their mean "
+        "time, median (range) over as many repeats. The efficiency no loader can exceed on "
+        "this machine; 1.0 = its CPUs scale linearly.",
     ]
     if any(report.workload.lower_is_better for report in reports):
         notes.append(f"next_overhead: median wall time of one next() in the main process while "
@@ -611,6 +631,7 @@ def report_to_json(reports, args, fastloader_module, skipped=None, unavailable=N
                 "verdict": report.verdict,
                 "data_agrees": report.data_agrees,
                 "efficiency_budget": report.workload.efficiency_budget,
+                "machine_ceiling": _stats_json(report.machine_ceiling),
                 "value": {name: asdict(stats) for name, stats in report.value.items()},
                 "first_batch_ms": {name: asdict(stats) for name, stats in report.first_batch_ms.items()},
                 "workers_cpu_us_per_sample": {
