@@ -494,6 +494,8 @@ def markdown_table(headers, rows, align=None):
     column left, the rest right).
     """
     align = align or "l" + "r" * (len(headers) - 1)
+    if len(align) != len(headers):   # zip() below would drop the extra columns silently
+        raise ValueError(f"{len(headers)} columns but {len(align)} alignments")
     cells = [list(map(str, headers))] + [list(map(str, row)) for row in rows]
     widths = [max(len(row[col]) for row in cells) for col in range(len(headers))]
 

@@ -525,7 +525,7 @@ def render_report(reports, args, skipped=None, unavailable=None):
                  "load, so it shows whether a loader adds work or just got fewer cycles.")
     for name, reason in (skipped or {}).items():
         notes.append(f"NOT RUN: workload {name}: {reason}.")
-    text = markdown_table(headers, rows, align="llrrrrlrrr") + "\n" + "\n".join(notes)
+    text = markdown_table(headers, rows, align="llrrrrlrrrr") + "\n" + "\n".join(notes)
     peers = render_loaders_table(reports, args, unavailable or {})
     return text + ("\n\n" + peers if peers else "")
 
