@@ -494,8 +494,10 @@ def markdown_table(headers, rows, align=None):
     column left, the rest right).
     """
     align = align or "l" + "r" * (len(headers) - 1)
-    if len(align) != len(headers):   # zip() below would drop the extra columns silently
-        raise ValueError(f"{len(headers)} columns but {len(align)} alignments")
+    # zip() below would drop extra columns silently
+    if len(align) != len(headers) or any(len(row) != len(headers) for row in rows):
+        raise ValueError(f"{len(headers)} headers, {len(align)} alignments, rows of "
+                         f"{sorted({len(row) for row in rows})} cells")
     cells = [list(map(str, headers))] + [list(map(str, row)) for row in rows]
     widths = [max(len(row[col]) for row in cells) for col in range(len(headers))]
 

@@ -413,7 +413,8 @@ def benchmark_workload(workload, args, specs, pss_sampler=None):
             efficiency[name] = None
         else:
             # paired per repeat, as the ratios to torch are: the in-process run of
-            # the same repeat saw the same state of a shared, drifting machine
+            # the same repeat is nearer in time than the other repeats' (not adjacent:
+            # the peers run between them)
             efficiency[name] = statistics.median(
                 value_of(workload, mine) / (value_of(workload, ref) * parallel)
                 for mine, ref in zip(runs[name], runs[IN_PROCESS]))
@@ -508,8 +509,9 @@ def render_report(reports, args, skipped=None, unavailable=None):
         "dataset's work and nothing else.",
         "Machine ceiling (benchmarks/ceiling.py): the in-process epoch run in one process, then "
         "in that many processes at once with no loader between them: one's time / their mean "
-        "time, median (range) over as many repeats. The efficiency no loader can exceed on "
-        "this machine; 1.0 = its CPUs scale linearly.",
+        "time, median (range) over as many repeats. An estimate of what this machine's CPUs "
+        "give at that moment (slightly optimistic: one that finishes first leaves the others a "
+        "CPU); 1.0 = they scale linearly.",
     ]
     if any(report.workload.lower_is_better for report in reports):
         notes.append(f"next_overhead: median wall time of one next() in the main process while "
