@@ -30,6 +30,71 @@ close_fd(int *fd)
     }
 }
 
+/* The task ring is sized for the largest task a loader may send (a pickled batch of
+ * arbitrary indices), but a loader's tasks are usually a few hundred bytes: only
+ * this much of it is reserved when the block is made (reserving the whole 1 MiB
+ * ring cost each worker's start ~0.4 ms, on the path of every short epoch). The
+ * rest is reserved as the tasks written first reach it (reserve_tasks). */
+#define FL_TASK_CHUNK ((size_t)64 << 10)
+/* room past a record's payload: its 32-byte rounding and the next record's header
+ * (a ring-end pad record is written where the last record ended) */
+#define FL_TASK_SLACK ((size_t)64)
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23   /* Linux 5.14; older kernels answer EINVAL */
+#endif
+
+/* Reserve the block's pages up to `end` (bytes from its start), growing in
+ * FL_TASK_CHUNK steps. Without the fd (closed once the worker started): a
+ * populating write-fault that fails with an error where a first touch of a page
+ * tmpfs cannot back would be a SIGBUS. 0 or an errno. */
+static int
+reserve_ctl_to(MainChannelObject *c, size_t end)
+{
+    if (end <= c->ctl_reserved)
+        return 0;
+    size_t want = FL_ALIGN_UP(end, FL_TASK_CHUNK);
+    if (want > c->ctl_size)
+        want = c->ctl_size;
+    int rc;
+    do {
+        rc = madvise((uint8_t *)c->ctl + c->ctl_reserved, want - c->ctl_reserved,
+                     MADV_POPULATE_WRITE);
+    } while (rc < 0 && errno == EINTR);
+    if (rc < 0)
+        return errno == EFAULT ? ENOSPC : errno;   /* EFAULT: a page tmpfs cannot back */
+    c->ctl_reserved = want;
+    return 0;
+}
+
+/* Before committing the task whose payload fl_task_reserve placed at `p`: make
+ * sure its record (and the next header) lies in reserved pages. NULL with the
+ * error set if they cannot be: the task is not committed, nothing is lost. */
+static int
+reserve_tasks(MainChannelObject *c, const uint8_t *p, uint64_t payload_len)
+{
+    size_t end = (size_t)(p - (const uint8_t *)c->ctl) + (size_t)payload_len + FL_TASK_SLACK;
+    int err = reserve_ctl_to(c, end);
+    if (err == 0)
+        return 0;
+    char what[96];
+    snprintf(what, sizeof(what), "reserving %zu bytes of the task ring",
+             FL_ALIGN_UP(end, FL_TASK_CHUNK) - c->ctl_reserved);
+    fl_raise(FL_ERRNO, err, what);
+    return -1;
+}
+
+/* fl_task_reserve, then reserve_tasks: FL_OK, fl_task_reserve's code, or FL_ERRNO
+ * with the Python error set (the record's pages cannot be reserved). */
+static int
+task_room(MainChannelObject *c, uint64_t payload_len, uint8_t **p)
+{
+    int code = fl_task_reserve(&c->ring, payload_len, p);
+    if (code == FL_OK && reserve_tasks(c, *p, payload_len) < 0)
+        return FL_ERRNO;
+    return code;
+}
+
 static uint64_t
 next_pow2(uint64_t v)
 {
@@ -71,8 +136,12 @@ mainchan_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     res_cap = (uint32_t)next_pow2(res_cap < 8 ? 8 : res_cap);
     uint32_t free_cap = 4096;
     c->ctl_size = fl_ctl_layout(task_cap, res_cap, free_cap);
-    /* every page reserved now: a full /dev/shm is a MemoryError here, not a SIGBUS
-     * when the rings are first written */
+    /* reserved now: the header, the result and free rings and the task ring's first
+     * chunk (a full /dev/shm is a MemoryError here, not a SIGBUS when they are first
+     * written); the rest of the task ring as tasks reach it (reserve_tasks) */
+    size_t upfront = FL_ALIGN_UP(fl_ctl_task_off(res_cap, free_cap) + FL_TASK_CHUNK, 4096);
+    if (upfront > c->ctl_size)
+        upfront = c->ctl_size;
     char ctl_what[96];
     snprintf(ctl_what, sizeof(ctl_what), "creating a %zu-byte control block", c->ctl_size);
     what = ctl_what;
@@ -80,13 +149,13 @@ mainchan_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         goto fail_py;
     if (strategy == FL_STRATEGY_FS) {
         fl_shm_ident ident = {0, 0, 0};
-        code = fl_shm_create_unique(c->prefix, 'c', 0, c->ctl_size, 1, c->ctl_name, &ident,
+        code = fl_shm_create_unique(c->prefix, 'c', 0, c->ctl_size, upfront, c->ctl_name, &ident,
                                     &c->ctl_fd, &err);
         c->ctl_dev = ident.dev;
         c->ctl_ino = ident.ino;
     }
     else {
-        code = fl_shm_create(NULL, c->ctl_size, 1, &c->ctl_fd, &err);
+        code = fl_shm_create(NULL, c->ctl_size, upfront, &c->ctl_fd, &err);
     }
     if (code != FL_OK) {
         fl_raise_path(code, err, what, c->ctl_name[0] ? c->ctl_name : NULL);
@@ -99,6 +168,15 @@ mainchan_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         goto fail;
     c->ctl = addr;
     fl_shm_dontfork(addr, c->ctl_size);   /* workers map it themselves */
+    c->ctl_reserved = upfront;
+    /* a kernel without MADV_POPULATE_WRITE (before 5.14): the whole ring now, while
+     * the fd is open, as before */
+    if (upfront < c->ctl_size && madvise(addr, 4096, MADV_POPULATE_WRITE) < 0) {
+        code = fl_shm_reserve(c->ctl_fd, upfront, c->ctl_size - upfront, &err);
+        if (code != FL_OK)
+            goto fail;
+        c->ctl_reserved = c->ctl_size;
+    }
     fl_ctl_init(&c->ring, c->ctl, (uint32_t)wid, task_cap, res_cap, free_cap);
     if (strategy == FL_STRATEGY_FS)
         close_fd(&c->ctl_fd);   /* the worker opens it by name */
@@ -277,7 +355,10 @@ put_range(MainChannelObject *c, long long seq, PyObject *range)
     Py_XDECREF(second_o);
     Py_XDECREF(last_o);
     uint8_t *p;
-    if (!fits || fl_task_reserve(&c->ring, (uint64_t)n * 8, &p) != FL_OK)
+    int code = fits ? task_room(c, (uint64_t)n * 8, &p) : FL_FULL;
+    if (code == FL_ERRNO)
+        return NULL;
+    if (code != FL_OK)
         Py_RETURN_FALSE;
     /* every item lies between the first and the last, so within int64. In
      * unsigned arithmetic (modulo 2^64) first + i * step is that item even where
@@ -314,7 +395,10 @@ mainchan_put_index(MainChannelObject *c, PyObject *const *args, Py_ssize_t nargs
         long long v;
         if (!as_int64(idx, &v))
             Py_RETURN_FALSE;   /* beyond int64: pickled */
-        if (fl_task_reserve(&c->ring, 8, &p) != FL_OK)
+        int code = task_room(c, 8, &p);
+        if (code == FL_ERRNO)
+            return NULL;
+        if (code != FL_OK)
             return fl_raise(FL_FULL, 0, "sending a task");
         memcpy(p, &v, 8);
         fl_task_commit(&c->ring, FL_TASK_INDEX, seq, 8);
@@ -334,7 +418,10 @@ mainchan_put_index(MainChannelObject *c, PyObject *const *args, Py_ssize_t nargs
     }
     if (all_none) {
         int64_t cnt = n;
-        if (fl_task_reserve(&c->ring, 8, &p) != FL_OK)
+        int code = task_room(c, 8, &p);
+        if (code == FL_ERRNO)
+            return NULL;
+        if (code != FL_OK)
             return fl_raise(FL_FULL, 0, "sending a task");
         memcpy(p, &cnt, 8);
         fl_task_commit(&c->ring, FL_TASK_NONES, seq, 8);
@@ -343,7 +430,10 @@ mainchan_put_index(MainChannelObject *c, PyObject *const *args, Py_ssize_t nargs
     }
     if (!all_int)
         Py_RETURN_FALSE;
-    if (fl_task_reserve(&c->ring, (uint64_t)n * 8, &p) != FL_OK)
+    int code = task_room(c, (uint64_t)n * 8, &p);
+    if (code == FL_ERRNO)
+        return NULL;
+    if (code != FL_OK)
         Py_RETURN_FALSE;   /* too large for the ring: the pickle path reports it */
     for (Py_ssize_t i = 0; i < n; i++) {
         long long v;
@@ -373,7 +463,11 @@ mainchan_put_task(MainChannelObject *c, PyObject *args)
         PyBuffer_Release(&buf);
         return PyErr_Format(PyExc_ValueError, "fastloader: channel is closed");
     }
-    int code = fl_task_reserve(&c->ring, (uint64_t)buf.len, &p);
+    int code = task_room(c, (uint64_t)buf.len, &p);
+    if (code == FL_ERRNO) {
+        PyBuffer_Release(&buf);
+        return NULL;
+    }
     if (code == FL_CORRUPT) {
         PyBuffer_Release(&buf);
         return fl_raise(code, 0, "sending a task");

@@ -402,9 +402,9 @@ make_overflow(WorkerChannelObject *w, size_t need, uint8_t **addr, size_t *size,
     *id = atomic_fetch_add(&w->ctl->next_seg_id, 1);
     int code;
     if (fs)
-        code = fl_shm_create_unique(w->prefix, 's', *id, *size, 1, name, ident, fd, err);
+        code = fl_shm_create_unique(w->prefix, 's', *id, *size, *size, name, ident, fd, err);
     else
-        code = fl_shm_create(NULL, *size, 1, fd, err);
+        code = fl_shm_create(NULL, *size, *size, fd, err);
     if (fs)
         fl_worker_end_create();
     if (code != FL_OK)

@@ -47,6 +47,8 @@ struct MainChannelObject {
     fl_ctl *ctl;
     fl_ring ring;        /* the rings' geometry, private (see ring.h) */
     size_t ctl_size;
+    size_t ctl_reserved; /* bytes of the block reserved so far, from its start (see
+                            reserve_tasks in channel_main.c) */
     pid_t owner_pid;
     int worker_id;
     int strategy;

@@ -6,13 +6,18 @@
 #include <unistd.h>
 
 size_t
-fl_ctl_layout(uint64_t task_cap, uint32_t res_cap, uint32_t free_cap)
+fl_ctl_task_off(uint32_t res_cap, uint32_t free_cap)
 {
     size_t off = FL_ALIGN_UP(sizeof(fl_ctl), FL_CL);
     off += FL_ALIGN_UP((size_t)res_cap * sizeof(fl_result), FL_CL);
     off += FL_ALIGN_UP((size_t)free_cap * sizeof(uint64_t), FL_CL);
-    off += task_cap;
-    return FL_ALIGN_UP(off, 4096);
+    return off;
+}
+
+size_t
+fl_ctl_layout(uint64_t task_cap, uint32_t res_cap, uint32_t free_cap)
+{
+    return FL_ALIGN_UP(fl_ctl_task_off(res_cap, free_cap) + task_cap, 4096);
 }
 
 static int
@@ -40,7 +45,7 @@ fl_ctl_init(fl_ring *g, fl_ctl *c, uint32_t worker_id, uint64_t task_cap, uint32
 {
     uint64_t res_off = FL_ALIGN_UP(sizeof(fl_ctl), FL_CL);
     uint64_t free_off = res_off + FL_ALIGN_UP((size_t)res_cap * sizeof(fl_result), FL_CL);
-    uint64_t task_off = free_off + FL_ALIGN_UP((size_t)free_cap * sizeof(uint64_t), FL_CL);
+    uint64_t task_off = fl_ctl_task_off(res_cap, free_cap);
     memset(c, 0, sizeof(*c));
     c->magic = FL_CTL_MAGIC;
     c->version = FL_CTL_VERSION;

@@ -83,6 +83,9 @@ typedef struct {
 } fl_ring;
 
 size_t fl_ctl_layout(uint64_t task_cap, uint32_t res_cap, uint32_t free_cap);
+/* Where the task ring starts in the block: everything before it is the header and
+ * the result and free rings. */
+size_t fl_ctl_task_off(uint32_t res_cap, uint32_t free_cap);
 /* Main process: lay out a fresh control block; `g` gets the geometry it chose. */
 void fl_ctl_init(fl_ring *g, fl_ctl *c, uint32_t worker_id, uint64_t task_cap,
                  uint32_t res_cap, uint32_t free_cap);

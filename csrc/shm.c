@@ -10,7 +10,7 @@
 #include <unistd.h>
 
 int
-fl_shm_create(const char *name, size_t size, int reserve, int *fd_out, int *err)
+fl_shm_create(const char *name, size_t size, size_t reserve, int *fd_out, int *err)
 {
     int fd = -1;
     if (name == NULL)
@@ -23,7 +23,7 @@ fl_shm_create(const char *name, size_t size, int reserve, int *fd_out, int *err)
         goto fail;
     if (ftruncate(fd, (off_t)size) < 0)
         goto fail;
-    if (reserve && fl_shm_reserve(fd, 0, size, err) != FL_OK) {
+    if (reserve && fl_shm_reserve(fd, 0, reserve < size ? reserve : size, err) != FL_OK) {
         errno = *err;
         goto fail;
     }

@@ -20,10 +20,11 @@
 /* Seals every memfd segment carries before its fd leaves the process. */
 #define FL_SEG_SEALS (F_SEAL_SHRINK | F_SEAL_GROW)
 
-/* Create a segment of `size` bytes with every page reserved up front (fallocate),
- * so that memory exhaustion is an ENOSPC/ENOMEM here and never a SIGBUS later.
+/* Create a segment of `size` bytes with its first `reserve` bytes (0: none; size or
+ * more: all) reserved up front (fallocate), so that memory exhaustion is an
+ * ENOSPC/ENOMEM here and never a SIGBUS when those pages are first touched.
  * name == NULL: memfd. Otherwise: shm_open(name, O_CREAT|O_EXCL, 0600). */
-int fl_shm_create(const char *name, size_t size, int reserve, int *fd_out, int *err);
+int fl_shm_create(const char *name, size_t size, size_t reserve, int *fd_out, int *err);
 /* Reserve the pages of [off, off + len) of segment `fd` (fallocate): ENOSPC/ENOMEM
  * here instead of a SIGBUS when the memory is first touched. */
 int fl_shm_reserve(int fd, size_t off, size_t len, int *err);

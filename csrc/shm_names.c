@@ -70,7 +70,7 @@ fl_shm_name(char *dst, const char *prefix, char kind, uint64_t id, uint64_t toke
 }
 
 int
-fl_shm_create_unique(const char *prefix, char kind, uint64_t id, size_t size, int reserve,
+fl_shm_create_unique(const char *prefix, char kind, uint64_t id, size_t size, size_t reserve,
                      char *name_out, fl_shm_ident *ident, int *fd_out, int *err)
 {
     int code = FL_ERRNO;

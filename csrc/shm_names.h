@@ -27,7 +27,7 @@ void fl_shm_name(char *dst, const char *prefix, char kind, uint64_t id, uint64_t
 /* Create a fresh name for `size` bytes (see fl_shm_create): a name that exists
  * already (someone planted it) is never an error, another random token is drawn.
  * Fills the name and the identity the opener must find. */
-int fl_shm_create_unique(const char *prefix, char kind, uint64_t id, size_t size, int reserve,
+int fl_shm_create_unique(const char *prefix, char kind, uint64_t id, size_t size, size_t reserve,
                          char *name_out, fl_shm_ident *ident, int *fd_out, int *err);
 
 /* Open a name and check it is exactly `ident` (and at least min_size bytes).

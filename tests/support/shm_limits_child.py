@@ -142,8 +142,42 @@ def packed_share(strategy):
     a.share(strategy)
 
 
+class KeyLengths:
+    """Samples keyed by strings: a batch of keys is pickled into the task ring."""
+
+    def __getitem__(self, key):
+        import torch
+
+        return torch.tensor(len(key))
+
+
+def task_ring(strategy):
+    """A task reaching past the part of the task ring reserved when the control
+    block was made (only its first chunk is), once /dev/shm is full: the tasks
+    before it were small, the next one is a pickled batch of ~150 KB of keys.
+    memfd pages are not in /dev/shm: there the big tasks must simply go through."""
+    import time
+
+    from fastloader import DataLoader
+
+    small = [["k"] * 4] * 2
+    big = [[f"{i:06d}" + "x" * 1500 for i in range(100)]] * 4
+    it = iter(DataLoader(KeyLengths(), batch_sampler=small + big, num_workers=1,
+                         prefetch_factor=2, sharing_strategy=strategy,
+                         multiprocessing_context="fork"))
+    # both small batches published: the worker's arena exists and holds their slots
+    deadline = time.monotonic() + 120
+    while it.stats(memory=False)["workers"][0]["published"] < 2:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the worker did not publish the small batches")
+        time.sleep(0.01)
+    if strategy == "file_system":
+        fill_shm()
+    return sum(int(batch.sum()) for batch in it)
+
+
 SCENARIOS = {f.__name__: f for f in (control_block, arena, overflow, packed_build,
-                                     packed_share)}
+                                     packed_share, task_ring)}
 
 
 def main():
@@ -151,11 +185,11 @@ def main():
     size = sys.argv[3] if len(sys.argv) > 3 else "4m"
     private_shm(size)
     try:
-        SCENARIOS[name](strategy)
+        value = SCENARIOS[name](strategy)
     except BaseException as exc:   # reported to the parent, which asserts on it
         print(json.dumps({"type": type(exc).__name__, "message": str(exc)}))
         return
-    print(json.dumps({"type": None, "message": "no exception"}))
+    print(json.dumps({"type": None, "message": "no exception", "value": value}))
 
 
 if __name__ == "__main__":

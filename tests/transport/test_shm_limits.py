@@ -61,6 +61,51 @@ def test_out_of_shared_memory_is_a_memory_error_naming_the_size(scenario, strate
         assert int(m.group(1)) >= 6 << 20, got["message"]
 
 
+def test_task_ring_reserved_as_tasks_reach_it_is_a_memory_error_when_full():
+    """Only the task ring's first chunk is reserved up front: a later, bigger task
+    whose pages /dev/shm cannot back is a MemoryError naming what it reserved."""
+    got = run_scenario("task_ring", "file_system")
+    assert got["type"] == "MemoryError", got
+    m = re.search(r"reserving (\d+) bytes of the task ring", got["message"])
+    assert m is not None and int(m.group(1)) > 0, got["message"]
+
+
+def test_big_tasks_go_through_the_lazily_reserved_ring():
+    # memfd control block (file_descriptor): no /dev/shm to fill, every task arrives
+    got = run_scenario("task_ring", "file_descriptor")
+    assert got["type"] is None, got
+    assert got["value"] == 2 * 4 + 4 * 100 * 1506
+
+
+def test_control_block_reserves_little_up_front_and_the_rest_as_tasks_reach_it():
+    """A worker's control block holds a 1 MiB task ring; a loader's tasks are a few
+    hundred bytes, so only the ring's first chunk is reserved when it is made (each
+    worker's start reserved, and zeroed, the whole of it before). Over an epoch the
+    tasks go round the ring, and it is reserved as they reach it."""
+    loader = DataLoader(OneBigSample(64, n=12800), batch_size=64, num_workers=1,
+                        sharing_strategy="file_system", multiprocessing_context="fork",
+                        persistent_workers=True)
+    it = iter(loader)
+    # the main process's mapping of it (the name is gone once the worker opened it)
+    ctl = f"/dev/shm/{os.path.basename(it._pool.prefix)}-w0-c"
+    with open("/proc/self/maps") as f:
+        (rng,) = [line.split()[0] for line in f if ctl in line]
+    path = "/proc/self/map_files/" + rng
+    st = os.stat(path)
+    assert st.st_size > 1 << 20, st.st_size   # the whole ring is there to be used
+    assert st.st_blocks * 512 <= 256 << 10, st.st_blocks * 512
+    n = sum(1 for _ in it)
+    assert n == 200
+    for _ in range(12):   # 200 tasks of 544 bytes per epoch: round the ring once
+        for _batch in loader:
+            pass
+    del _batch
+    st = os.stat(path)
+    assert st.st_blocks * 512 >= st.st_size - (64 << 10), (st.st_blocks * 512, st.st_size)
+    del it, loader
+    gc.collect()
+
+
 # ---- arena sizing -------------------------------------------------------------------
 
 class OneBigSample(torch.utils.data.Dataset):
