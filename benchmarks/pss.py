@@ -54,9 +54,21 @@ class PssSampler:
         return self._ask("stop")
 
     def close(self):
+        """Stop the sampler. Told to quit, not left to see the end of its stdin: the
+        workers of a fork loader still alive (persistent workers) hold copies of
+        that pipe's write end, so closing ours would not end it."""
         if self.process.poll() is None:
+            try:
+                self._ask("quit")
+            except (OSError, RuntimeError, ValueError):
+                pass   # gone already: reaped below
             self.process.stdin.close()
-            self.process.wait(timeout=10)
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process.stdout.close()
 
 
 def _tree_pss(root, own_pid):
@@ -112,6 +124,9 @@ def _serve(root_pid, interval_s):
                 reply = {"peak_bytes": max(state["peak"], total),
                          "peak_main_bytes": max(state["peak_main"], main),
                          "samples": state["samples"] + 1}
+        elif command == "quit":
+            print(json.dumps({}), flush=True)
+            return
         else:
             reply = {}
         print(json.dumps(reply), flush=True)

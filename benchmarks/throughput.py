@@ -187,6 +187,7 @@ class WorkloadReport:
     peak_pss_mib: dict = field(default_factory=dict)  # name -> Stats or None
     arena_mib: dict = field(default_factory=dict)  # name -> per-worker MiB list or None
     not_run: dict = field(default_factory=dict)  # name -> why it did not run this workload
+    memory_runs: dict = field(default_factory=dict)  # name -> the untimed PSS epoch's result
     kinds: dict = field(default_factory=dict)  # name -> "processes" / "threads" / "in-process"
     # benchmarks.ceiling: what the CPUs give k independent copies of the in-process
     # work (1.0 = linear); only for workloads with an efficiency budget
@@ -413,8 +414,7 @@ def benchmark_workload(workload, args, specs, pss_sampler=None):
             efficiency[name] = None
         else:
             # paired per repeat, as the ratios to torch are: the in-process run of
-            # the same repeat is nearer in time than the other repeats' (not adjacent:
-            # the peers run between them)
+            # the same repeat is adjacent to fastloader's (see run_workloads)
             efficiency[name] = statistics.median(
                 value_of(workload, mine) / (value_of(workload, ref) * parallel)
                 for mine, ref in zip(runs[name], runs[IN_PROCESS]))
@@ -438,6 +438,7 @@ def benchmark_workload(workload, args, specs, pss_sampler=None):
         total_cpu_us=total_cpu_us,
         peak_pss_mib=peak_pss_mib,
         arena_mib=arena_mib,
+        memory_runs=memory,
         not_run=not_run,
         kinds={name: spec.kind for name, spec in specs.items()},
     )
@@ -655,6 +656,8 @@ def report_to_json(reports, args, fastloader_module, skipped=None, unavailable=N
                 "not_run": report.not_run,
                 "peers_ahead": report.peers_ahead(),
                 "runs": {name: [asdict(run) for run in runs] for name, runs in report.runs.items()},
+                # the one untimed epoch per loader that peak PSS was sampled in
+                "memory_runs": {name: asdict(run) for name, run in report.memory_runs.items()},
             }
             for report in reports
         ],
@@ -668,7 +671,9 @@ def run_workloads(args, fastloader_module, fastloader_cls, step_prefix=""):
     was not run, loader -> why it is not available here.
     """
     specs, unavailable = loader_registry.registry(fastloader_cls, include_peers=args.peers)
-    specs[IN_PROCESS] = loader_registry.in_process_spec(fastloader_cls)
+    # run first, so that in every repeat (the order reverses each time) it runs right
+    # before or right after fastloader: efficiency pairs the two within a repeat
+    specs = {IN_PROCESS: loader_registry.in_process_spec(fastloader_cls), **specs}
     progress(f"fastloader {getattr(fastloader_module, '__version__', '?')} "
              f"({fastloader_module.__file__}) vs torch {torch.__version__}"
              f"{' and ' + ', '.join(n for n in specs if n not in (FASTLOADER, TORCH, IN_PROCESS)) if args.peers else ''}; "
