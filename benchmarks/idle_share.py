@@ -1,6 +1,6 @@
 """How much of the box stays idle while fastloader feeds a consumer.
 
-    python -m benchmarks.idle_share [--repeats 3] [--batches 3000]
+    python -m benchmarks.idle_share [--repeats 3] [--batches 20000]
 
 Efficiency (see `make bench`) can fall short for two reasons: the processes
 together spend more CPU per sample than the in-process baseline, or the CPUs sit
@@ -12,11 +12,21 @@ reports per setting, medians: samples/s, efficiency against the in-process
 baseline (num_workers=0, same runs; per repeat: against that repeat's
 baseline), the whole box's idle share over the timed
 epoch (/proc/stat: idle + iowait), and the share of their time the workers waited
-for a task (`loader.stats()`). Not a test: timings only.
+for a task (`loader.stats()`).
+
+A second table puts the CPU each process spent (/proc/<pid>/schedstat, ns) beside
+two bounds on the time per batch: m, the main process's CPU per batch (how much
+of it in the kernel: /proc/<pid>/stat), and W, the workers' CPU per batch (each
+builds every other batch, W per batch it builds). Balanced, the two CPUs share
+all of it: (m + W) / 2 per batch. If the main process instead runs on one worker's
+CPU (where the kernel keeps it), that CPU does m for every batch and W for every
+other one: m + W / 2, and round-robin in-order delivery makes the other worker
+wait for it. Not a test: timings only.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -35,9 +45,21 @@ def _box_idle():
     return fields[3] + fields[4], sum(fields)
 
 
+def _cpu(pid):
+    """(on-CPU seconds from schedstat, kernel seconds from stat) of a process."""
+    with open(f"/proc/{pid}/schedstat") as f:
+        on_cpu = int(f.read().split()[0]) / 1e9
+    with open(f"/proc/{pid}/stat") as f:
+        kernel = int(f.read().rsplit(")", 1)[1].split()[12]) / _TICK
+    return on_cpu, kernel
+
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
 def one_epoch(prefetch_factor, batches):
-    """(samples/s, box idle share, workers' waiting share) of a warm epoch;
-    prefetch_factor None: in-process."""
+    """(samples/s, box idle share, workers' waiting share, {us per batch: wall, m,
+    m_kernel, W}) of a warm epoch; prefetch_factor None: in-process."""
     kwargs = {}
     if prefetch_factor is not None:
         kwargs = dict(num_workers=usable_cpus(), persistent_workers=True,
@@ -46,26 +68,36 @@ def one_epoch(prefetch_factor, batches):
     for batch in loader:   # start-up and first use stay out of it
         touch(batch)
     it = iter(loader)
+    pids = [os.getpid()] + list(getattr(it, "worker_pids", ()))
+    cpu0 = [_cpu(pid) for pid in pids]
     idle0, started, n = _box_idle(), time.perf_counter(), 0
     for batch in it:
         touch(batch)
         n += 1
     elapsed = time.perf_counter() - started
     idle1 = _box_idle()
+    cpu1 = [_cpu(pid) for pid in pids]
+    per_batch = {
+        "wall": elapsed / n * 1e6,
+        "m": (cpu1[0][0] - cpu0[0][0]) / n * 1e6,
+        "m_kernel": (cpu1[0][1] - cpu0[0][1]) / n * 1e6,
+        "W": sum(b[0] - a[0] for a, b in zip(cpu0[1:], cpu1[1:])) / n * 1e6,
+    }
     waiting = 0.0
     if prefetch_factor is not None:
         workers = it.stats(memory=False)["workers"]
         waiting = statistics.mean(w["idle_s"] / max(w["idle_s"] + w["busy_s"], 1e-9)
                                   for w in workers)
     del it, loader
-    return n * 64 / elapsed, (idle1[0] - idle0[0]) / max(idle1[1] - idle0[1], 1), waiting
+    return (n * 64 / elapsed, (idle1[0] - idle0[0]) / max(idle1[1] - idle0[1], 1), waiting,
+            per_batch)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.idle_share", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=positive_int, default=3)
-    parser.add_argument("--batches", type=positive_int, default=3000)
+    parser.add_argument("--batches", type=positive_int, default=20000)
     args = parser.parse_args(argv)
     settings = (None, *PREFETCH_FACTORS)
     runs = {s: [] for s in settings}
@@ -90,6 +122,18 @@ def main(argv=None):
         waiting = "-" if s is None else f"{statistics.median(r[2] for r in rs):.0%}"
         print(f"| {name} | {rate:,.0f} | {eff} | {statistics.median(r[1] for r in rs):.0%} "
               f"| {waiting} |")
+    print("\nCPU per batch (us, medians): m = main process, W = workers together\n")
+    print("| setting | time per batch | m (kernel) | W | balanced (m + W) / 2 "
+          "| main on one worker's CPU: m + W / 2 |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for s in settings:
+        def med(key, rs=runs[s]):
+            return statistics.median(r[3][key] for r in rs)
+        name = "in-process" if s is None else f"prefetch_factor {s}"
+        m, w = med("m"), med("W")
+        bounds = "- | -" if s is None else f"{(m + w) / 2:.1f} | {m + w / 2:.1f}"
+        print(f"| {name} | {med('wall'):.1f} | {m:.1f} ({med('m_kernel'):.1f}) | "
+              f"{'-' if s is None else f'{w:.1f}'} | {bounds} |")
     return 0
 
 

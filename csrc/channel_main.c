@@ -44,18 +44,32 @@ close_fd(int *fd)
 #define MADV_POPULATE_WRITE 23   /* Linux 5.14; older kernels answer EINVAL */
 #endif
 
-/* Reserve the block's pages up to `end` (bytes from its start), growing in
- * FL_TASK_CHUNK steps. Without the fd (closed once the worker started): a
- * populating write-fault that fails with an error where a first touch of a page
- * tmpfs cannot back would be a SIGBUS. 0 or an errno. */
+/* The steps the block is reserved in: whole pages (madvise wants a page-aligned
+ * start; pages are 16 or 64 KiB on some arm64 and ppc64 kernels). */
+static size_t
+reserve_step(void)
+{
+    long page = sysconf(_SC_PAGESIZE);
+    return page > 0 && (size_t)page > FL_TASK_CHUNK ? (size_t)page : FL_TASK_CHUNK;
+}
+
+/* How far the block is reserved once `end` (bytes from its start) is. */
+static size_t
+reserve_target(const MainChannelObject *c, size_t end)
+{
+    size_t want = FL_ALIGN_UP(end, reserve_step());
+    return want > c->ctl_size ? c->ctl_size : want;
+}
+
+/* Reserve the block's pages up to `end`. Without the fd (closed once the worker
+ * started): a populating write-fault fails with an error where a first touch of
+ * a page tmpfs cannot back would be a SIGBUS. 0 or an errno. */
 static int
 reserve_ctl_to(MainChannelObject *c, size_t end)
 {
     if (end <= c->ctl_reserved)
         return 0;
-    size_t want = FL_ALIGN_UP(end, FL_TASK_CHUNK);
-    if (want > c->ctl_size)
-        want = c->ctl_size;
+    size_t want = reserve_target(c, end);
     int rc;
     do {
         rc = madvise((uint8_t *)c->ctl + c->ctl_reserved, want - c->ctl_reserved,
@@ -79,7 +93,7 @@ reserve_tasks(MainChannelObject *c, const uint8_t *p, uint64_t payload_len)
         return 0;
     char what[96];
     snprintf(what, sizeof(what), "reserving %zu bytes of the task ring",
-             FL_ALIGN_UP(end, FL_TASK_CHUNK) - c->ctl_reserved);
+             reserve_target(c, end) - c->ctl_reserved);
     fl_raise(FL_ERRNO, err, what);
     return -1;
 }
@@ -139,9 +153,7 @@ mainchan_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     /* reserved now: the header, the result and free rings and the task ring's first
      * chunk (a full /dev/shm is a MemoryError here, not a SIGBUS when they are first
      * written); the rest of the task ring as tasks reach it (reserve_tasks) */
-    size_t upfront = FL_ALIGN_UP(fl_ctl_task_off(res_cap, free_cap) + FL_TASK_CHUNK, 4096);
-    if (upfront > c->ctl_size)
-        upfront = c->ctl_size;
+    size_t upfront = reserve_target(c, fl_ctl_task_off(res_cap, free_cap) + FL_TASK_CHUNK);
     char ctl_what[96];
     snprintf(ctl_what, sizeof(ctl_what), "creating a %zu-byte control block", c->ctl_size);
     what = ctl_what;

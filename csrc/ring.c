@@ -37,6 +37,7 @@ ring_set(fl_ring *g, fl_ctl *c, uint64_t task_cap, uint32_t res_cap, uint32_t fr
     g->results = (fl_result *)((uint8_t *)c + res_off);
     g->frees = (uint64_t *)((uint8_t *)c + free_off);
     g->tasks = (uint8_t *)c + task_off;
+    g->task_head = 0;   /* a fresh block (main); the worker never produces tasks */
 }
 
 void
@@ -93,16 +94,19 @@ fl_ring_attach(fl_ring *g, fl_ctl *c, size_t mapped)
 
 /* The producer (main) is the only writer of task_head, so it can keep the
  * reservation in the record itself: reserve writes padding when the record would
- * wrap, and commit publishes head. Records are multiples of 32 bytes, so a head
- * that is not is corrupt (and would leave no room for a header before the end). */
+ * wrap, and commit publishes head. Its head is its own copy (g->task_head): the
+ * shared one is written, never read, so only the records main laid out decide
+ * where it writes (channel_main.c reserves the pages as records reach them).
+ * Records are multiples of 32 bytes, so a head that is not is corrupt (and would
+ * leave no room for a header before the end). */
 int
-fl_task_reserve(const fl_ring *g, uint64_t payload_len, uint8_t **payload_out)
+fl_task_reserve(fl_ring *g, uint64_t payload_len, uint8_t **payload_out)
 {
     fl_ctl *c = g->ctl;
     if (payload_len > g->task_cap)   /* also keeps the sum below from wrapping */
         return FL_FULL;
     uint64_t need = FL_ALIGN_UP(sizeof(fl_task_hdr) + payload_len, 32);
-    uint64_t head = atomic_load_explicit(&c->task_head, memory_order_relaxed);
+    uint64_t head = g->task_head;
     uint64_t tail = atomic_load_explicit(&c->task_tail, memory_order_acquire);
     if (head % 32 || head - tail > g->task_cap)
         return FL_CORRUPT;
@@ -117,6 +121,7 @@ fl_task_reserve(const fl_ring *g, uint64_t payload_len, uint8_t **payload_out)
         h->kind = FL_TASK_PAD;
         h->seq = -1;
         h->payload_len = 0;
+        g->task_head = head + pad;
         atomic_store_explicit(&c->task_head, head + pad, memory_order_release);
         pos = 0;
     }
@@ -125,14 +130,13 @@ fl_task_reserve(const fl_ring *g, uint64_t payload_len, uint8_t **payload_out)
 }
 
 void
-fl_task_commit(const fl_ring *g, uint32_t kind, int64_t seq, uint64_t payload_len)
+fl_task_commit(fl_ring *g, uint32_t kind, int64_t seq, uint64_t payload_len)
 {
     fl_ctl *c = g->ctl;
-    uint64_t head = atomic_load_explicit(&c->task_head, memory_order_relaxed);
+    uint64_t head = g->task_head;
     uint64_t len = FL_ALIGN_UP(sizeof(fl_task_hdr) + payload_len, 32);
     uint64_t pos = head & (g->task_cap - 1);
-    /* head moved under us since reserve (only a corrupt worker does that): write
-     * nothing, the worker finds the ring as it left it */
+    /* not the record reserve placed (a caller's bug): write nothing */
     if (head % 32 || len > g->task_cap - pos)
         return;
     fl_task_hdr *h = (fl_task_hdr *)(g->tasks + pos);
@@ -140,6 +144,7 @@ fl_task_commit(const fl_ring *g, uint32_t kind, int64_t seq, uint64_t payload_le
     h->kind = kind;
     h->seq = seq;
     h->payload_len = payload_len;
+    g->task_head = head + len;
     atomic_store_explicit(&c->task_head, head + len, memory_order_release);
 }
 

@@ -80,6 +80,10 @@ typedef struct {
     uint64_t task_cap;     /* bytes, power of two */
     uint32_t res_cap;      /* entries, power of two */
     uint32_t free_cap;     /* entries, power of two */
+    /* the producer's (main's) own task_head: it is the only writer of the shared
+     * one and never reads it back, so a worker that overwrites it cannot move
+     * where the next record is written */
+    uint64_t task_head;
 } fl_ring;
 
 size_t fl_ctl_layout(uint64_t task_cap, uint32_t res_cap, uint32_t free_cap);
@@ -93,8 +97,8 @@ void fl_ctl_init(fl_ring *g, fl_ctl *c, uint32_t worker_id, uint64_t task_cap,
 int fl_ring_attach(fl_ring *g, fl_ctl *c, size_t mapped);
 
 /* tasks: reserve room for a payload, fill it, then commit */
-int fl_task_reserve(const fl_ring *g, uint64_t payload_len, uint8_t **payload_out);
-void fl_task_commit(const fl_ring *g, uint32_t kind, int64_t seq, uint64_t payload_len);
+int fl_task_reserve(fl_ring *g, uint64_t payload_len, uint8_t **payload_out);
+void fl_task_commit(fl_ring *g, uint32_t kind, int64_t seq, uint64_t payload_len);
 /* consumer side: returns 1 and points into the ring when a task is present */
 int fl_task_peek(const fl_ring *g, fl_task_hdr *hdr, const uint8_t **payload);
 void fl_task_pop(const fl_ring *g, const fl_task_hdr *hdr);

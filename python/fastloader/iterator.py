@@ -27,7 +27,7 @@ from .metadata_warning import warn_if_heavy_metadata
 from .pool import WorkerPool, WorkerSpec
 from .protocol import (
     RES_BATCH_SNAP, RES_DEAD, RES_ERROR, RES_ITER_END, RES_RESUMED, TASK_CONTROL, TASK_PICKLE,
-    TASK_RESUME, encode_control,
+    TASK_RESUME, WHERE_NONE, encode_control,
 )
 from .session import LoaderSession
 from .sharing import DEFAULT_STRATEGY
@@ -39,6 +39,10 @@ _EXTRA_SLOTS = 3
 # On Ctrl-C or a worker's death, how long busy siblings may take to stop by
 # themselves before they are terminated (idle ones stop at once).
 _FAILURE_GRACE_S = 0.2
+
+# The `snap` of a batch whose task never reached its worker (see _try_put_index):
+# no worker ran it, so it is not one to replay on resume.
+_NOT_SENT = object()
 
 def _task_bytes_estimate(loader) -> int:
     bs = getattr(loader.batch_sampler, "batch_size", None) or loader.batch_size or 1
@@ -334,24 +338,36 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         else:
             return
         ch = self._channels[worker_queue_idx]
-        # put_index writes a range as its list of ints: right for ours, not for a
-        # range the user's sampler yields (the dataset must get the range)
-        if ((type(index) is range and not self._sends_ranges)
-                or not ch.put_index(self._send_idx, index)):
-            if self._sends_ranges:
-                index = as_list(index)
-            ch.put_task(TASK_PICKLE, self._send_idx,
-                        pickle.dumps(index, protocol=pickle.HIGHEST_PROTOCOL))
-        self._task_info[self._send_idx] = (worker_queue_idx,)
+        try:
+            # put_index writes a range as its list of ints: right for ours, not for
+            # a range the user's sampler yields (the dataset must get the range)
+            if ((type(index) is range and not self._sends_ranges)
+                    or not ch.put_index(self._send_idx, index)):
+                if self._sends_ranges:
+                    index = as_list(index)
+                ch.put_task(TASK_PICKLE, self._send_idx,
+                            pickle.dumps(index, protocol=pickle.HIGHEST_PROTOCOL))
+            self._task_info[self._send_idx] = (worker_queue_idx,)
+            self._tasks_outstanding += 1
+        except MemoryError:
+            # The task ring's pages could not be reserved (shared memory is full):
+            # this batch raises in its turn, as a worker's error would, and the
+            # batches before and after it are delivered; here, inside the caller's
+            # next(), the batch in hand would be lost.
+            error = ExceptionWrapper(where=f"in the main process, sending batch "
+                                           f"{self._send_idx}'s task to worker "
+                                           f"{worker_queue_idx}")
+            self._task_info[self._send_idx] = (worker_queue_idx,
+                                               (error, WHERE_NONE, _NOT_SENT))
         self._workers_num_tasks[worker_queue_idx] += 1
-        self._tasks_outstanding += 1
         self._send_idx += 1
 
     def _process_data(self, result, worker_idx, seq):
         data, where, snap = result
         self._workers_num_tasks[worker_idx] -= 1
         self._counters.delivered(worker_idx, where)
-        self._tracker.delivered(worker_idx, seq, snap)
+        if snap is not _NOT_SENT:
+            self._tracker.delivered(worker_idx, seq, snap)
         self._try_put_index()
         if isinstance(data, ExceptionWrapper):
             data.reraise()

@@ -41,13 +41,22 @@ def private_shm(size: str) -> None:
 
 
 def fill_shm(leave: int = 0) -> None:
-    """Take all of /dev/shm but `leave` bytes, with pages that really exist."""
+    """Take all of /dev/shm but `leave` bytes, with pages that really exist (and,
+    with leave=0, every last page statvfs did not count)."""
     st = os.statvfs("/dev/shm")
     free = st.f_bavail * st.f_frsize
     fd = os.open("/dev/shm/filler", os.O_RDWR | os.O_CREAT, 0o600)
     try:
         if free - leave > 0:
             os.posix_fallocate(fd, 0, free - leave)
+        if leave == 0:
+            size = max(free, 0)
+            while True:
+                try:
+                    os.posix_fallocate(fd, size, 4096)
+                except OSError:
+                    break
+                size += 4096
     finally:
         os.close(fd)
 
@@ -152,9 +161,10 @@ class KeyLengths:
 
 
 def task_ring(strategy):
-    """A task reaching past the part of the task ring reserved when the control
+    """Tasks reaching past the part of the task ring reserved when the control
     block was made (only its first chunk is), once /dev/shm is full: the tasks
-    before it were small, the next one is a pickled batch of ~150 KB of keys.
+    before them were small, the next ones are pickled batches of ~150 KB of keys.
+    Returns what each next() gave: a batch's sum, or the error's type and text.
     memfd pages are not in /dev/shm: there the big tasks must simply go through."""
     import time
 
@@ -173,11 +183,53 @@ def task_ring(strategy):
         time.sleep(0.01)
     if strategy == "file_system":
         fill_shm()
-    return sum(int(batch.sum()) for batch in it)
+    got = []
+    while True:
+        try:
+            got.append(int(next(it).sum()))
+        except StopIteration:
+            return got
+        except Exception as exc:   # the caller asserts on each
+            got.append([type(exc).__name__, str(exc)])
+
+
+def scribbled_task_head(strategy):
+    """A worker (here: this process, through its own mapping of the shared block)
+    moves task_head and task_tail to the ring's last record (an empty ring, whose
+    next record would wrap: a pad record goes there first), a page never reserved,
+    and /dev/shm is full: the main process must not write there (it keeps its own
+    head), and says the ring is corrupt instead."""
+    import mmap
+    import struct
+
+    from fastloader import DataLoader
+
+    # batches of 2: a task record is 64 bytes, so one at the ring's last 32 bytes
+    # wraps, and a pad record is written there first
+    loader = DataLoader(Blobs(80, 256), batch_size=2, num_workers=1,
+                        sharing_strategy=strategy, multiprocessing_context="fork")
+    it = iter(loader)
+    got = [float(next(it)[0][0]) for _ in range(3)]
+    with open("/proc/self/maps") as f:
+        (rng,) = [line.split()[0] for line in f if "-w0-c" in line]
+    fd = os.open(f"/proc/self/map_files/{rng}", os.O_RDWR)
+    try:
+        ctl = mmap.mmap(fd, 4096)
+    finally:
+        os.close(fd)
+    task_cap, = struct.unpack_from("<Q", ctl, 16)
+    task_tail, = struct.unpack_from("<Q", ctl, 128)
+    fill_shm()
+    last = task_tail - task_tail % task_cap + 2 * task_cap - 32
+    struct.pack_into("<Q", ctl, 128, last)   # task_tail
+    struct.pack_into("<Q", ctl, 64, last)    # task_head
+    for batch in it:
+        got.append(float(batch[0][0]))
+    return got
 
 
 SCENARIOS = {f.__name__: f for f in (control_block, arena, overflow, packed_build,
-                                     packed_share, task_ring)}
+                                     packed_share, task_ring, scribbled_task_head)}
 
 
 def main():
