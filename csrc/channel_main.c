@@ -82,8 +82,9 @@ reserve_ctl_to(MainChannelObject *c, size_t end)
 }
 
 /* Before committing the task whose payload fl_task_reserve placed at `p`: make
- * sure its record (and the next header) lies in reserved pages. NULL with the
- * error set if they cannot be: the task is not committed, nothing is lost. */
+ * sure its record (and the next header) lies in reserved pages. -1 with the
+ * Python error set if they cannot be: the task is not committed (the iterator
+ * then raises it in that batch's turn). */
 static int
 reserve_tasks(MainChannelObject *c, const uint8_t *p, uint64_t payload_len)
 {
