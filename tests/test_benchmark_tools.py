@@ -1,26 +1,17 @@
 """The benchmark's own tools, where their failure would cost a whole `make bench`."""
 import time
 
-import torch
-
 from benchmarks.pss import PssSampler
 from fastloader import DataLoader
-
-
-class Rows(torch.utils.data.Dataset):
-    def __len__(self):
-        return 64
-
-    def __getitem__(self, i):
-        return torch.full((16,), float(i))
+from tests.support.datasets import TensorLabelDataset
 
 
 def test_pss_sampler_closes_while_a_persistent_fork_loader_is_alive():
     """Fork workers inherit the sampler's stdin pipe: closing it alone never reached
     the sampler while they lived (close() waited 10 s, then raised)."""
     sampler = PssSampler(interval_s=0.01)
-    loader = DataLoader(Rows(), batch_size=8, num_workers=2, persistent_workers=True,
-                        multiprocessing_context="fork")
+    loader = DataLoader(TensorLabelDataset(64), batch_size=8, num_workers=2,
+                        persistent_workers=True, multiprocessing_context="fork")
     sampler.start()
     assert sum(1 for _ in loader) == 8
     got = sampler.stop()
