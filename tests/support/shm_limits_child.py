@@ -199,10 +199,10 @@ def scribbled_task_head(strategy):
     next record would wrap: a pad record goes there first), a page never reserved,
     and /dev/shm is full: the main process must not write there (it keeps its own
     head), and says the ring is corrupt instead."""
-    import mmap
     import struct
 
     from fastloader import DataLoader
+    from tests.support.ring_geometry_child import control_blocks
 
     # batches of 2: a task record is 64 bytes, so one at the ring's last 32 bytes
     # wraps, and a pad record is written there first
@@ -210,13 +210,7 @@ def scribbled_task_head(strategy):
                         sharing_strategy=strategy, multiprocessing_context="fork")
     it = iter(loader)
     got = [float(next(it)[0][0]) for _ in range(3)]
-    with open("/proc/self/maps") as f:
-        (rng,) = [line.split()[0] for line in f if "-w0-c" in line]
-    fd = os.open(f"/proc/self/map_files/{rng}", os.O_RDWR)
-    try:
-        ctl = mmap.mmap(fd, 4096)
-    finally:
-        os.close(fd)
+    (ctl,) = control_blocks()
     task_cap, = struct.unpack_from("<Q", ctl, 16)
     task_tail, = struct.unpack_from("<Q", ctl, 128)
     fill_shm()
