@@ -10,7 +10,8 @@ each epoch). Measured on a 2-core box, fork, 2 workers, per worker and epoch:
 - ``torch.manual_seed`` queues CUDA's lazy seeding with ``traceback.format_stack()``,
   which reads every source file on the worker's stack through ``linecache``:
   ~7 ms. With those files in the inherited cache it formats the same text in
-  well under a millisecond.
+  well under a millisecond. (seeding.py skips that call altogether where no
+  device could take the seed; this is for the builds where one could.)
 """
 from __future__ import annotations
 
@@ -19,10 +20,10 @@ import sys
 
 _numpy_random_loaded = False
 
-# modules whose source lines a worker's seeding stack shows (see _seed in worker.py
+# modules whose source lines a worker's seeding stack shows (see seeding.py
 # and torch.cuda._lazy_call): the worker's own frames, below the main process's
-_WORKER_STACK_MODULES = ("multiprocessing.process", "fastloader.worker", "torch.random",
-                         "torch.cuda", "torch.cuda.random", "torch.xpu", "torch.xpu.random",
+_WORKER_STACK_MODULES = ("multiprocessing.process", "fastloader.worker", "fastloader.seeding",
+                         "torch.random", "torch.cuda", "torch.cuda.random", "torch.xpu", "torch.xpu.random",
                          "torch.mtia")
 
 

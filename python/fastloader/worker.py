@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import os
 import pickle
-import random
 import signal
 
 import torch
@@ -23,19 +22,7 @@ from .protocol import (
     RES_BATCH, RES_BATCH_SNAP, RES_ERROR, RES_ITER_END, RES_RESUMED, TASK_CONTROL, TASK_PICKLE,
     TASK_RESUME, TASK_SHUTDOWN, Replay, Restore, decode_control,
 )
-
-
-def _seed(base_seed: int, worker_id: int) -> int:
-    """Exactly torch's per-worker seeding of random, torch and numpy."""
-    seed = base_seed + worker_id
-    random.seed(seed)
-    torch.manual_seed(seed)
-    try:
-        import numpy as np
-    except ImportError:  # pragma: no cover - numpy is a dependency
-        return seed
-    np.random.seed(_tw._generate_state(base_seed, worker_id))
-    return seed
+from .seeding import seed_worker
 
 
 _RANK_TEXT = ""   # set from the spec: " on rank R of W" in a distributed job
@@ -294,7 +281,7 @@ def _serve(spec, chan, current):
     if name_thread is not None:
         name_thread("pt_data_worker")   # what top/ps/py-spy show for torch's workers
     torch.set_num_threads(1)
-    seed = _seed(spec.base_seed, spec.worker_id)
+    seed = seed_worker(spec.base_seed, spec.worker_id)
     loop = _Loop(spec, chan, current)
     loop.start(seed)
     loop.run()
