@@ -323,7 +323,7 @@ mainchan_main_fds(MainChannelObject *c, PyObject *Py_UNUSED(ignored))
 static int
 wake_worker(MainChannelObject *c)
 {
-    fl_wake(&c->ctl->worker_waiting, c->efd_worker);
+    c->n_wakeups += (uint64_t)fl_wake(&c->ctl->worker_waiting, c->efd_worker);
     return 0;
 }
 
@@ -631,7 +631,7 @@ mainchan_stats(MainChannelObject *c, PyObject *Py_UNUSED(ignored))
         a_resv = atomic_load(&c->ctl->arena_reserved);
     }
     return Py_BuildValue(
-        "{s:K,s:K,s:K,s:K,s:K,s:K,s:I,s:K,s:K,s:K,s:d,s:d,s:K,s:K}", "arena_bytes",
+        "{s:K,s:K,s:K,s:K,s:K,s:K,s:I,s:K,s:K,s:K,s:d,s:d,s:K,s:K,s:K}", "arena_bytes",
         (unsigned long long)a_bytes, "arena_reserved_bytes", (unsigned long long)a_resv,
         "received",
         (unsigned long long)c->n_batches, "received_in_slots", (unsigned long long)c->n_slot,
@@ -640,7 +640,8 @@ mainchan_stats(MainChannelObject *c, PyObject *Py_UNUSED(ignored))
         (unsigned long long)c->arena_slot_size, "slots_held", (unsigned long long)c->held,
         "slots_retired", (unsigned long long)c->n_retired,
         "busy_s", (double)busy * 1e-9, "idle_s", (double)idle * 1e-9, "published",
-        (unsigned long long)published, "overflow_segments", (unsigned long long)overflowed);
+        (unsigned long long)published, "overflow_segments", (unsigned long long)overflowed,
+        "wakeups", (unsigned long long)c->n_wakeups);
 }
 
 static PyObject *

@@ -207,6 +207,15 @@ mono_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
+/* (for fl_spin_wait) a task, or a corrupt ring, is there to read */
+static int
+task_ready(void *ring)
+{
+    fl_task_hdr h;
+    const uint8_t *p;
+    return fl_task_peek((const fl_ring *)ring, &h, &p) != 0;
+}
+
 static PyObject *
 workerchan_get_task(WorkerChannelObject *w, PyObject *Py_UNUSED(ignored))
 {
@@ -231,6 +240,12 @@ workerchan_get_task(WorkerChannelObject *w, PyObject *Py_UNUSED(ignored))
             return Py_BuildValue("(ILN)", (unsigned)h.kind, (long long)h.seq, idx);
         }
         drain_frees(w);
+        int spun;
+        Py_BEGIN_ALLOW_THREADS
+        spun = fl_spin_wait(&w->spin, task_ready, &w->ring);
+        Py_END_ALLOW_THREADS
+        if (spun)
+            continue;
         atomic_store(&w->ctl->worker_waiting, 1);
         got = fl_task_peek(&w->ring, &h, &p);
         if (got != 0) {

@@ -9,6 +9,7 @@
 #define FL_OBJECTS_H
 #include "state.h"
 #include "ring.h"
+#include "spin.h"
 #include <sys/types.h>
 
 #define FL_NAME_MAX 256
@@ -70,6 +71,7 @@ struct MainChannelObject {
     uint64_t n_batches, n_slot, n_overflow, n_arenas;
     uint64_t held;       /* slots of the current arena the consumer still holds */
     uint64_t n_retired;  /* slots never handed back: a fork inherited their batch */
+    uint64_t n_wakeups;  /* tasks that found the worker asleep: a system call each */
     double wait_s;       /* recv() asleep while this worker's result was the one wanted */
 };
 
@@ -97,6 +99,7 @@ typedef struct {
     char arena_name[FL_NAME_MAX];   /* file_system: unlinked if never announced */
     uint8_t *busy;
     uint64_t last_task_ns;   /* when get_task last returned: busy time starts */
+    fl_spin spin;            /* whether to spin before sleeping for a task */
 } WorkerChannelObject;
 
 /* Component set-up, called once from module_exec: each adds its types. */

@@ -255,19 +255,20 @@ fl_free_pop(const fl_ring *g, uint64_t *v)
     return 1;
 }
 
-void
+int
 fl_wake(_Atomic uint32_t *waiting, int efd)
 {
     /* Pairs with the sleeper's store of *waiting followed by its re-check of the
      * ring: one of the two sides always sees the other's write. */
     atomic_thread_fence(memory_order_seq_cst);
-    if (atomic_load_explicit(waiting, memory_order_relaxed)) {
-        uint64_t one = 1;
-        ssize_t n;
-        do {
-            n = write(efd, &one, sizeof(one));
-        } while (n < 0 && errno == EINTR);
-    }
+    if (!atomic_load_explicit(waiting, memory_order_relaxed))
+        return 0;
+    uint64_t one = 1;
+    ssize_t n;
+    do {
+        n = write(efd, &one, sizeof(one));
+    } while (n < 0 && errno == EINTR);
+    return 1;
 }
 
 void

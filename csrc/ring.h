@@ -112,6 +112,6 @@ int fl_free_push(const fl_ring *g, uint64_t v);
 int fl_free_pop(const fl_ring *g, uint64_t *v);
 
 /* After publishing: wake the other side if it sleeps (it set *waiting first). */
-void fl_wake(_Atomic uint32_t *waiting, int efd);
+int fl_wake(_Atomic uint32_t *waiting, int efd);   /* 1: it had to wake the sleeper */
 void fl_drain_efd(int efd);
 #endif

@@ -1,0 +1,55 @@
+"""A task put while its worker sleeps costs the main process a wake-up (a system
+call), counted per worker in stats()["workers"][i]["wakeups"]; a task put while
+the worker is busy, or still spinning for its next task (spin.c), costs none."""
+import threading
+import time
+
+import pytest
+
+from tests.support.helpers import loopback_channels
+
+ASLEEP_AFTER_S = 0.3   # far beyond the worker's spin (50 us)
+
+
+@pytest.fixture
+def pair():
+    with loopback_channels("wakeups") as channels:
+        yield channels
+
+
+def take_task_in_thread(worker, got):
+    t = threading.Thread(target=lambda: got.append(worker.get_task()))
+    t.start()
+    return t
+
+
+def test_a_task_for_a_sleeping_worker_is_one_wakeup_and_a_queued_one_none(pair):
+    main, worker = pair
+    assert main.stats()["wakeups"] == 0
+    got = []
+    t = take_task_in_thread(worker, got)
+    time.sleep(ASLEEP_AFTER_S)   # the worker spun, found nothing, and sleeps
+    assert main.put_index(0, [1, 2])
+    t.join(timeout=10)
+    assert not t.is_alive() and got[0][1:] == (0, [1, 2])
+    assert main.stats()["wakeups"] == 1
+
+    # nobody waits: queued without a system call, taken at once
+    assert main.put_index(1, [3])
+    assert worker.get_task()[1:] == (1, [3])
+    assert main.stats()["wakeups"] == 1
+
+
+def test_the_loaders_stats_report_each_workers_wakeups():
+    import fastloader
+    from tests.support.datasets import TensorLabelDataset
+
+    loader = fastloader.DataLoader(TensorLabelDataset(64), batch_size=4, num_workers=2,
+                                   persistent_workers=True)
+    for _ in loader:
+        time.sleep(0.05)   # a slow consumer: the workers wait for most tasks
+    workers = loader.stats()["workers"]
+    assert [type(w["wakeups"]) for w in workers] == [int, int]
+    # 16 batches: each of the 12 tasks put after a batch was taken found its
+    # worker asleep; the first 4 (put at iter()) may or may not have
+    assert 12 <= sum(w["wakeups"] for w in workers) <= 16, workers
