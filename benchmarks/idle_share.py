@@ -21,7 +21,9 @@ builds every other batch, W per batch it builds). Balanced, the two CPUs share
 all of it: (m + W) / 2 per batch. If the main process instead runs on one worker's
 CPU (where the kernel keeps it), that CPU does m for every batch and W for every
 other one: m + W / 2, and round-robin in-order delivery makes the other worker
-wait for it. Not a test: timings only.
+wait for it. The last column: tasks that found their worker asleep, per batch
+(each costs the main process a wake-up system call; a worker spins briefly for
+its next task while that pays, see csrc/spin.c). Not a test: timings only.
 """
 from __future__ import annotations
 
@@ -57,6 +59,14 @@ def _cpu(pid):
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
+def _wakeups(it, prefetch_factor):
+    """Tasks so far that found their worker asleep (a system call each for the
+    main process; persistent workers count from their start)."""
+    if prefetch_factor is None:
+        return 0
+    return sum(w["wakeups"] for w in it.stats(memory=False)["workers"])
+
+
 def one_epoch(prefetch_factor, batches):
     """(samples/s, box idle share, workers' waiting share, {us per batch: wall, m,
     m_kernel, W}) of a warm epoch; prefetch_factor None: in-process."""
@@ -69,6 +79,7 @@ def one_epoch(prefetch_factor, batches):
         touch(batch)
     it = iter(loader)
     pids = [os.getpid()] + list(getattr(it, "worker_pids", ()))
+    wakeups0 = _wakeups(it, prefetch_factor)
     cpu0 = [_cpu(pid) for pid in pids]
     idle0, started, n = _box_idle(), time.perf_counter(), 0
     for batch in it:
@@ -82,6 +93,7 @@ def one_epoch(prefetch_factor, batches):
         "m": (cpu1[0][0] - cpu0[0][0]) / n * 1e6,
         "m_kernel": (cpu1[0][1] - cpu0[0][1]) / n * 1e6,
         "W": sum(b[0] - a[0] for a, b in zip(cpu0[1:], cpu1[1:])) / n * 1e6,
+        "wakeups": (_wakeups(it, prefetch_factor) - wakeups0) / n,
     }
     waiting = 0.0
     if prefetch_factor is not None:
@@ -124,14 +136,15 @@ def main(argv=None):
               f"| {waiting} |")
     print("\nCPU per batch (us, medians): m = main process, W = workers together\n")
     print("| setting | time per batch | m (kernel) | W | balanced (m + W) / 2 "
-          "| main on one worker's CPU: m + W / 2 |")
-    print("|---|---:|---:|---:|---:|---:|")
+          "| main on one worker's CPU: m + W / 2 | worker wake-ups per batch |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for s in settings:
         def med(key, rs=runs[s]):
             return statistics.median(r[3][key] for r in rs)
         name = "in-process" if s is None else f"prefetch_factor {s}"
         m, w = med("m"), med("W")
-        bounds = "- | -" if s is None else f"{(m + w) / 2:.1f} | {m + w / 2:.1f}"
+        bounds = ("- | - | -" if s is None else
+                  f"{(m + w) / 2:.1f} | {m + w / 2:.1f} | {med('wakeups'):.2f}")
         print(f"| {name} | {med('wall'):.1f} | {m:.1f} ({med('m_kernel'):.1f}) | "
               f"{'-' if s is None else f'{w:.1f}'} | {bounds} |")
     return 0
