@@ -18,7 +18,6 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
 
 /* Arenas above this size are not made: such batches always overflow. */
@@ -199,14 +198,6 @@ PyDoc_STRVAR(workerchan_get_task_doc,
 "get_task($self)\n--\n\nReturns (kind, seq, index) or None.\n"
 "Wait for the next task (GIL released). None: the main process is gone.");
 
-static uint64_t
-mono_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
-
 /* (for fl_spin_wait) a task, or a corrupt ring, is there to read */
 static int
 task_ready(void *ring)
@@ -219,7 +210,7 @@ task_ready(void *ring)
 static PyObject *
 workerchan_get_task(WorkerChannelObject *w, PyObject *Py_UNUSED(ignored))
 {
-    uint64_t entered = mono_ns();
+    uint64_t entered = fl_now_ns();
     if (w->last_task_ns)
         atomic_fetch_add_explicit(&w->ctl->busy_ns, entered - w->last_task_ns,
                                   memory_order_relaxed);
@@ -232,7 +223,7 @@ workerchan_get_task(WorkerChannelObject *w, PyObject *Py_UNUSED(ignored))
         if (got) {
             PyObject *idx = task_to_python(&h, p);
             fl_task_pop(&w->ring, &h);
-            w->last_task_ns = mono_ns();
+            w->last_task_ns = fl_now_ns();
             atomic_fetch_add_explicit(&w->ctl->idle_ns, w->last_task_ns - entered,
                                       memory_order_relaxed);
             if (idx == NULL)
@@ -247,6 +238,9 @@ workerchan_get_task(WorkerChannelObject *w, PyObject *Py_UNUSED(ignored))
         if (spun)
             continue;
         atomic_store(&w->ctl->worker_waiting, 1);
+        /* pairs with fl_wake's fence: the flag's store is ordered before the
+         * ring's re-check even where an acquire load could pass a store */
+        atomic_thread_fence(memory_order_seq_cst);
         got = fl_task_peek(&w->ring, &h, &p);
         if (got != 0) {
             atomic_store(&w->ctl->worker_waiting, 0);

@@ -103,6 +103,8 @@ fl_recv(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             MainChannelObject *c = (MainChannelObject *)PyTuple_GET_ITEM(chans, k);
             atomic_store(&c->ctl->main_waiting, !only_prefer || k == prefer);
         }
+        /* pairs with fl_wake's fence (see the worker's wait for a task) */
+        atomic_thread_fence(memory_order_seq_cst);
         if (only_prefer) {
             any = has_result(chans, prefer);
         } else {

@@ -5,8 +5,8 @@
 #include <time.h>
 #include <unistd.h>
 
-static uint64_t
-now_ns(void)
+uint64_t
+fl_now_ns(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -61,7 +61,7 @@ fl_spin_wait(fl_spin *s, int (*ready)(void *), void *arg)
         s->score = SCORE_START;
     if ((s->score <= 0 && s->waits % RETRY_EVERY != 0) || !several_cpus())
         return 0;
-    uint64_t until = now_ns() + FL_SPIN_MAX_NS;
+    uint64_t until = fl_now_ns() + FL_SPIN_MAX_NS;
     do {
         for (int i = 0; i < 64; i++)
             cpu_relax();
@@ -69,7 +69,7 @@ fl_spin_wait(fl_spin *s, int (*ready)(void *), void *arg)
             record(s, 1);
             return 1;
         }
-    } while (now_ns() < until);
+    } while (fl_now_ns() < until);
     record(s, 0);
     return 0;
 }

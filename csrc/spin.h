@@ -27,4 +27,8 @@ typedef struct {
  * off. Returns 1 if ready() turned true while spinning. Call without the GIL. */
 int fl_spin_wait(fl_spin *s, int (*ready)(void *), void *arg);
 
+/* CLOCK_MONOTONIC in nanoseconds (the spin's clock, and the worker's busy/idle
+ * accounting's). */
+uint64_t fl_now_ns(void);
+
 #endif

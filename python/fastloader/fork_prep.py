@@ -12,11 +12,16 @@ each epoch). Measured on a 2-core box, fork, 2 workers, per worker and epoch:
   ~7 ms. With those files in the inherited cache it formats the same text in
   well under a millisecond. (seeding.py skips that call altogether where no
   device could take the seed; this is for the builds where one could.)
+- seeding.py's checks of whether a device could take the seed read a dozen
+  modules and functions: ~80 copy-on-write faults in each worker, none when the
+  main process makes the checks that cannot change before the worker seeds.
 """
 from __future__ import annotations
 
 import linecache
 import sys
+
+from . import seeding
 
 _numpy_random_loaded = False
 
@@ -59,3 +64,4 @@ def prepare_for_fork() -> None:
     """Call right before forking workers (cheap after the first call)."""
     _load_numpy_random()
     _warm_linecache()
+    seeding.check_before_fork()
