@@ -1,6 +1,7 @@
 """seeding.py: a worker's seeding leaves random, torch and numpy exactly as torch's
 worker leaves them, and skips torch.manual_seed's device part only where no device
 could take the seed."""
+import functools
 import os
 import random
 import resource
@@ -79,6 +80,15 @@ def test_a_cpu_build_seeds_the_cpu_generator_alone(device_seeding_calls):
     assert device_seeding_calls == [{"seed_all": True}]
 
 
+@requires_cpu_build
+def test_torchs_own_wrapper_of_manual_seed_keeps_the_cpu_only_seeding(device_seeding_calls):
+    # importing torch._dynamo (torch.compile, many libraries) wraps torch.manual_seed
+    import torch._dynamo  # noqa: F401
+    assert torch.manual_seed is not torch.random.manual_seed
+    seeding.seed_torch(79)
+    assert torch.initial_seed() == 79 and device_seeding_calls == []
+
+
 def _custom_backend(monkeypatch, calls):
     backend = types.SimpleNamespace(_is_in_bad_fork=lambda: False, manual_seed_all=calls.append)
     monkeypatch.setattr(torch, torch._C._get_privateuse1_backend_name(), backend,
@@ -101,6 +111,7 @@ def _replaced_cuda_seeding(monkeypatch, calls):
 def _wrapped_manual_seed(monkeypatch, calls):
     real = torch.manual_seed
 
+    @functools.wraps(real)   # (as torch's own wrappers are; this one is not torch's)
     def wrapper(seed):
         calls.append(seed)
         return real(seed)

@@ -18,6 +18,7 @@ worker's seeding (in ``worker_init_fn``) finds its generator unseeded, where
 torch's worker had queued the seed for it."""
 from __future__ import annotations
 
+import os
 import random
 import sys
 
@@ -46,18 +47,31 @@ def _known_seeding_code() -> bool:
     return code is not None and set(code.co_names) <= _KNOWN_NAMES
 
 
-def _is_torchs_own(fn) -> bool:
-    module = getattr(fn, "__module__", None) or ""
-    return (module == "torch" or module.startswith("torch.")) and not hasattr(fn, "__wrapped__")
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+def _torchs_own(fn):
+    """The function a chain of torch's own wrappers ends in (torch wraps some
+    seeding functions itself, e.g. torch._dynamo's disabling wrapper of
+    torch.manual_seed), or None where any link is code from outside torch."""
+    for _ in range(8):
+        code = getattr(fn, "__code__", None)
+        if code is None or not code.co_filename.startswith(_TORCH_DIR):
+            return None
+        inner = getattr(fn, "__wrapped__", None)
+        if inner is None:
+            return fn
+        fn = inner
+    return None
 
 
 def _seeding_functions_are_torchs() -> bool:
-    if torch.manual_seed is not torch.random.manual_seed:
+    if _torchs_own(torch.manual_seed) is not torch.random.manual_seed:
         return False
     for module_name, name in _SEEDING_FUNCTIONS:
         module = sys.modules.get(module_name)   # not imported yet: torch's own, when it is
         fn = getattr(module, name, None) if module is not None else None
-        if fn is not None and not _is_torchs_own(fn):
+        if fn is not None and _torchs_own(fn) is None:
             return False
     return True
 
