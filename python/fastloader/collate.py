@@ -58,6 +58,9 @@ def _column_into_slot(torch_fn):
 
 
 _SLOT_COLLATE_MAP = dict(_tc.default_collate_fn_map)
+# transpose_tuples() stands in for collate()'s tuple branch only where no function
+# of the map claims a tuple first (collate() looks the map up before its branches)
+_TUPLES_UNCLAIMED = not any(isinstance((), key) for key in _SLOT_COLLATE_MAP)
 _SLOT_COLLATE_MAP[torch.Tensor] = _stack_into_slot
 for _type in (np.ndarray, float, int):
     if _type in _SLOT_COLLATE_MAP:
@@ -99,6 +102,15 @@ def _collated_structure(node):
     return _collated_leaf(node)
 
 
+def _collate_column(samples):
+    # torch's collate() for one column: its type's function from the map, else
+    # collate() itself (subclasses, containers, its errors)
+    fn = _SLOT_COLLATE_MAP.get(type(samples[0]))
+    if fn is not None:
+        return fn(samples, collate_fn_map=_SLOT_COLLATE_MAP)
+    return _tc.collate(samples, collate_fn_map=_SLOT_COLLATE_MAP)
+
+
 def slot_collate(batch):
     """Same result as torch.utils.data.default_collate, filled into the slot."""
     if type(batch) is CollatedSamples and len(batch):
@@ -106,6 +118,12 @@ def slot_collate(batch):
         if structure is not None:
             return structure
         # a leaf torch must handle (requires_grad, a subclass...): the samples
+    # Plain tuples of one length (most datasets' samples): torch's collate()
+    # would check the lengths, transpose and return a list of collated columns;
+    # the first two in C. Anything else, or an error, is torch's own path.
+    columns = _core.transpose_tuples(batch) if _TUPLES_UNCLAIMED else None
+    if columns is not None:
+        return [_collate_column(column) for column in columns]
     return _tc.collate(batch, collate_fn_map=_SLOT_COLLATE_MAP)
 
 

@@ -126,6 +126,43 @@ def test_column_kind_and_fill_column_refuse_mismatches():
         _core.fill_column([1, 2], dest[::2])     # not contiguous
 
 
+# ---- plain tuple samples, transposed in C --------------------------------------------
+
+def test_transpose_tuples_takes_plain_tuples_of_one_length_only():
+    a, b = torch.zeros(2), torch.ones(2)
+    columns = _core.transpose_tuples([(a, 1, "x"), (b, 2, "y")])
+    assert columns == [(a, b), (1, 2), ("x", "y")]
+    assert columns[0][0] is a and columns[0][1] is b
+    assert _core.transpose_tuples([(), ()]) == []
+    for batch in ([], [(1, 2), (3,)], [(1, 2), [3, 4]], [[1, 2], [3, 4]],
+                  [cd.Pair(1, 2), (3, 4)], [(1, 2), cd.Pair(3, 4)], ((1, 2), (3, 4)),
+                  [(1, 2), None], None, "ab"):
+        assert _core.transpose_tuples(batch) is None, batch
+
+
+def test_plain_tuple_batch_is_transposed_in_c_and_collates_as_torch():
+    samples = [cd.TupleSamplesDataset("plain")[i] for i in range(6)]
+    before = [s[:] for s in samples]
+    out = slot_collate(samples)
+    assert type(out) is list and len(out) == len(samples[0])
+    assert isinstance(out[0], DeferredStack) and out[1].how == COLUMN
+    assert samples == before   # the samples are left as they were
+    assert_identical(default_collate(samples), _core.decode(_core.encode(out)))
+
+
+@pytest.mark.parametrize("kind", ["plain", "namedtuple_first", "namedtuple_later",
+                                  "list_later"])
+def test_tuple_samples_same_as_torch(kind):
+    both(cd.TupleSamplesDataset(kind), **WORKERS)
+
+
+@pytest.mark.parametrize("kind", ["ragged", "uncollatable"])
+def test_tuple_samples_torch_refuses_raise_torchs_error(kind):
+    expected, got = errors_of(cd.TupleSamplesDataset(kind), batch_size=8, **WORKERS)
+    assert type(got) is type(expected)
+    assert str(expected).strip().splitlines()[-1] in str(got), (expected, got)
+
+
 # ---- CollatedSamples -----------------------------------------------------------------
 
 SHAPES = ["tuple", "list", "namedtuple", "nested"]

@@ -146,3 +146,34 @@ def describe_collate(batch):
     """A custom collate_fn: shows what it was given."""
     return {"type": type(batch).__name__, "len": len(batch),
             "first": torch.as_tensor(batch[0][0]).clone(), "last_label": int(batch[-1][1])}
+
+
+class TupleSamplesDataset(Dataset):
+    """Tuple samples of one `kind`, for the transposition of plain tuples in C:
+    "plain" (every leaf type default_collate knows, nested containers included),
+    "ragged" (one sample a field short: torch's error), "namedtuple_first" and
+    "namedtuple_later" (a Pair among plain tuples), "list_later" (a list among
+    tuples), "uncollatable" (a field torch refuses)."""
+
+    def __init__(self, kind, length=24):
+        self.kind, self.length = kind, length
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, i):
+        row = torch.arange(3, dtype=torch.float32) + i
+        if self.kind == "plain":
+            return (row, i, i / 4, i % 2 == 0, np.full(2, i, np.int16), f"s{i}", b"b",
+                    (row * 2, i), {"k": i, "t": row[:2]}, Pair(row, i), [i, i + 1])
+        if self.kind == "ragged":
+            return (row, i) if i != 5 else (row,)
+        if self.kind == "namedtuple_first":
+            return Pair(row, i) if i % 8 == 0 else (row, i)
+        if self.kind == "namedtuple_later":
+            return Pair(row, i) if i % 8 == 3 else (row, i)
+        if self.kind == "list_later":
+            return [row, i] if i % 8 == 3 else (row, i)
+        if self.kind == "uncollatable":
+            return (row, object())
+        raise ValueError(self.kind)
