@@ -411,8 +411,8 @@ mainchan_put_index(MainChannelObject *c, PyObject *const *args, Py_ssize_t nargs
         int code = task_room(c, 8, &p);
         if (code == FL_ERRNO)
             return NULL;
-        if (code != FL_OK)
-            return fl_raise(FL_FULL, 0, "sending a task");
+        if (code != FL_OK)   /* FL_FULL, or FL_CORRUPT: what the worker left */
+            return fl_raise(code, 0, "sending a task");
         memcpy(p, &v, 8);
         fl_task_commit(&c->ring, FL_TASK_INDEX, seq, 8);
         wake_worker(c);
@@ -434,8 +434,8 @@ mainchan_put_index(MainChannelObject *c, PyObject *const *args, Py_ssize_t nargs
         int code = task_room(c, 8, &p);
         if (code == FL_ERRNO)
             return NULL;
-        if (code != FL_OK)
-            return fl_raise(FL_FULL, 0, "sending a task");
+        if (code != FL_OK)   /* FL_FULL, or FL_CORRUPT: what the worker left */
+            return fl_raise(code, 0, "sending a task");
         memcpy(p, &cnt, 8);
         fl_task_commit(&c->ring, FL_TASK_NONES, seq, 8);
         wake_worker(c);

@@ -2,6 +2,8 @@
 of Nones travel through the task ring as raw int64s and reach the worker exactly;
 anything beyond int64 is declined (False), with nothing queued, so that the
 caller pickles it instead."""
+import ctypes
+
 import pytest
 
 from fastloader import _core
@@ -41,3 +43,27 @@ def test_declining_leaves_the_channel_usable_for_many_tasks():
             assert worker.get_task()[1:] == (seq, [seq, 2, 3])
         assert main.put_index(0, 2**63) is False
         assert _core.recv((main,), 0, 0.0) is None   # and nothing came back by mistake
+
+
+def _scribble_task_tail(main):
+    """Do what a hostile worker can: move the shared task_tail past the main
+    process's head (its offset in the control block: csrc/ring.h, fl_ctl)."""
+    name = main.handle()["ctl_name"].lstrip("/")
+    with open("/proc/self/maps") as f:
+        starts = [int(line.split("-")[0], 16) for line in f if name in line]
+    assert starts, f"{name} is not mapped here"
+    for start in starts:
+        tail = ctypes.c_uint64.from_address(start + 128)
+        tail.value += 1 << 20
+
+
+@pytest.mark.parametrize("index", [5, [None] * 4, [1, 2, 3], range(4)])
+def test_a_task_ring_the_worker_corrupted_is_reported_as_corrupt_not_full(index):
+    with loopback_channels("indices") as (main, worker):
+        assert main.put_index(1, [1]) is True
+        _scribble_task_tail(main)
+        # a list or range the ring refuses is declined; the caller's pickled
+        # put_task then reports the ring
+        with pytest.raises(RuntimeError, match="failed validation"):
+            if main.put_index(2, index) is False:
+                main.put_task(_core.TASK_PICKLE, 2, b"x")
