@@ -58,9 +58,11 @@ def _column_into_slot(torch_fn):
 
 
 _SLOT_COLLATE_MAP = dict(_tc.default_collate_fn_map)
-# transpose_tuples() stands in for collate()'s tuple branch only where no function
-# of the map claims a tuple first (collate() looks the map up before its branches)
-_TUPLES_UNCLAIMED = not any(isinstance((), key) for key in _SLOT_COLLATE_MAP)
+# transpose_tuples() and transpose_dicts() stand in for collate()'s tuple and
+# mapping branches only where no function of the map claims a tuple or a dict
+# first (collate() looks the map up before its branches)
+_PLAIN_UNCLAIMED = not any(isinstance((), key) or isinstance({}, key)
+                           for key in _SLOT_COLLATE_MAP)
 _SLOT_COLLATE_MAP[torch.Tensor] = _stack_into_slot
 for _type in (np.ndarray, float, int):
     if _type in _SLOT_COLLATE_MAP:
@@ -121,9 +123,20 @@ def slot_collate(batch):
     # Plain tuples of one length (most datasets' samples): torch's collate()
     # would check the lengths, transpose and return a list of collated columns;
     # the first two in C. Anything else, or an error, is torch's own path.
-    columns = _core.transpose_tuples(batch) if _TUPLES_UNCLAIMED else None
+    columns = _core.transpose_tuples(batch) if _PLAIN_UNCLAIMED else None
     if columns is not None:
         return [_collate_column(column) for column in columns]
+    # Plain dicts with str keys: torch's collate() copies the first sample and
+    # sets each of its keys to the collated [d[key] for d in batch]; the
+    # columns are gathered in C. A TypeError makes torch retry another way: then
+    # its own path runs from the start.
+    parts = _core.transpose_dicts(batch) if _PLAIN_UNCLAIMED else None
+    if parts is not None:
+        keys, columns = parts
+        try:
+            return dict(zip(keys, [_collate_column(column) for column in columns]))
+        except TypeError:
+            pass
     return _tc.collate(batch, collate_fn_map=_SLOT_COLLATE_MAP)
 
 

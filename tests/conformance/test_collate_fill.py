@@ -2,6 +2,8 @@
 vectorised TensorDataset fetch: each gives exactly torch's default_collate result
 (types, dtypes, shapes, strides, bytes) batch by batch, or torch's own error, and
 custom collate_fns still get what torch gives them."""
+import collections
+
 import numpy as np
 import pytest
 import torch
@@ -159,6 +161,39 @@ def test_tuple_samples_same_as_torch(kind):
 @pytest.mark.parametrize("kind", ["ragged", "uncollatable"])
 def test_tuple_samples_torch_refuses_raise_torchs_error(kind):
     expected, got = errors_of(cd.TupleSamplesDataset(kind), batch_size=8, **WORKERS)
+    assert type(got) is type(expected)
+    assert str(expected).strip().splitlines()[-1] in str(got), (expected, got)
+
+
+def test_transpose_dicts_takes_plain_dicts_with_str_keys_only():
+    a, b = torch.zeros(2), torch.ones(2)
+    keys, columns = _core.transpose_dicts([{"x": a, "y": 1}, {"y": 2, "x": b, "z": 0}])
+    assert keys == ["x", "y"] and columns == [[a, b], [1, 2]]
+    assert columns[0][0] is a and columns[0][1] is b
+    assert _core.transpose_dicts([{}, {"z": 1}]) == ([], [])
+    for batch in ([], [{"x": 1}, {"y": 2}], [{1: 1}, {1: 2}], [{"x": 1}, {"x": 2, 3: 4}],
+                  [{"x": 1}, collections.OrderedDict(x=2)], [collections.OrderedDict(x=1)],
+                  [{"x": 1}, None], ({"x": 1},), None, [(1, 2)]):
+        assert _core.transpose_dicts(batch) is None, batch
+
+
+def test_plain_dict_batch_is_gathered_in_c_and_collates_as_torch():
+    samples = [cd.DictSamplesDataset("plain")[i] for i in range(6)]
+    out = slot_collate(samples)
+    assert type(out) is dict and list(out) == list(samples[0])
+    assert isinstance(out["x"], DeferredStack) and out["label"].how == COLUMN
+    assert_identical(default_collate(samples), _core.decode(_core.encode(out)))
+
+
+@pytest.mark.parametrize("kind", ["plain", "key_order", "extra_keys", "int_keys",
+                                  "ordered_later"])
+def test_dict_samples_same_as_torch(kind):
+    both(cd.DictSamplesDataset(kind), **WORKERS)
+
+
+@pytest.mark.parametrize("kind", ["missing_key", "uncollatable"])
+def test_dict_samples_torch_refuses_raise_torchs_error(kind):
+    expected, got = errors_of(cd.DictSamplesDataset(kind), batch_size=8, **WORKERS)
     assert type(got) is type(expected)
     assert str(expected).strip().splitlines()[-1] in str(got), (expected, got)
 

@@ -177,3 +177,39 @@ class TupleSamplesDataset(Dataset):
         if self.kind == "uncollatable":
             return (row, object())
         raise ValueError(self.kind)
+
+
+class DictSamplesDataset(Dataset):
+    """Dict samples of one `kind`, for the gathering of plain dicts' columns in C:
+    "plain" (str keys, every leaf type default_collate knows, nested containers),
+    "key_order" (later samples hold the keys in another order), "extra_keys"
+    (later samples hold keys the first lacks: torch ignores them), "int_keys",
+    "ordered_later" (an OrderedDict among dicts), "missing_key" (torch's
+    KeyError), "uncollatable" (a value torch refuses)."""
+
+    def __init__(self, kind, length=24):
+        self.kind, self.length = kind, length
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, i):
+        row = torch.arange(3, dtype=torch.float32) + i
+        if self.kind == "plain":
+            return {"x": row, "label": i, "w": i / 4, "flag": i % 2 == 0,
+                    "a": np.full(2, i, np.int16), "name": f"s{i}", "pair": (row * 2, i),
+                    "inner": {"t": row[:2], "n": i}, "p": Pair(row, i), "ids": [i, i + 1]}
+        if self.kind == "key_order":
+            return {"x": row, "label": i} if i % 2 == 0 else {"label": i, "x": row}
+        if self.kind == "extra_keys":
+            return {"x": row, "label": i, **({"extra": i} if i % 8 else {})}
+        if self.kind == "int_keys":
+            return {0: row, 1: i}
+        if self.kind == "ordered_later":
+            d = {"x": row, "label": i}
+            return collections.OrderedDict(d) if i % 8 == 3 else d
+        if self.kind == "missing_key":
+            return {"x": row, "label": i} if i != 5 else {"x": row}
+        if self.kind == "uncollatable":
+            return {"x": row, "bad": object()}
+        raise ValueError(self.kind)
