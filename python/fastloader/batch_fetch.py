@@ -16,7 +16,7 @@ from torch.utils.data import TensorDataset
 
 from . import _core
 from ._codec_hooks import CODE, GATHER, DeferredStack, exportable
-from .collate import slot_collate
+from .collate import current_slot_map, slot_collate
 
 _COL_INT64 = 1   # _core.column_kind(): exact ints that fit int64
 # dtypes index_select implements on CPU (not, e.g., the unsigned 16/32/64-bit ones)
@@ -34,6 +34,8 @@ def _gatherable(t):
 def _tensor_dataset_batch(dataset, indices):
     """The collated batch of an exact TensorDataset, or None for torch's path."""
     if type(indices) is not list or not indices or _core.column_kind(indices) != _COL_INT64:
+        return None
+    if not current_slot_map().torch_leaves:   # a user's function collates tensors
         return None
     tensors = dataset.tensors
     if not tensors or not all(_gatherable(t) for t in tensors):

@@ -57,16 +57,55 @@ def _column_into_slot(torch_fn):
     return collate_column
 
 
-_SLOT_COLLATE_MAP = dict(_tc.default_collate_fn_map)
-# transpose_tuples() and transpose_dicts() stand in for collate()'s tuple and
-# mapping branches only where no function of the map claims a tuple or a dict
-# first (collate() looks the map up before its branches)
-_PLAIN_UNCLAIMED = not any(isinstance((), key) or isinstance({}, key)
-                           for key in _SLOT_COLLATE_MAP)
-_SLOT_COLLATE_MAP[torch.Tensor] = _stack_into_slot
-for _type in (np.ndarray, float, int):
-    if _type in _SLOT_COLLATE_MAP:
-        _SLOT_COLLATE_MAP[_type] = _column_into_slot(_SLOT_COLLATE_MAP[_type])
+# What the slot collate puts in place of torch's own function for a type, where the
+# map still holds that function: a user's registration in torch's
+# default_collate_fn_map (a new type, or a type's function replaced) is honoured
+# as torch's default_collate honours it, at the time of each call.
+_REPLACEMENTS = {
+    torch.Tensor: (_tc.collate_tensor_fn, lambda fn: _stack_into_slot),
+    np.ndarray: (getattr(_tc, "collate_numpy_array_fn", None), _column_into_slot),
+    float: (getattr(_tc, "collate_float_fn", None), _column_into_slot),
+    int: (getattr(_tc, "collate_int_fn", None), _column_into_slot),
+}
+
+
+class _SlotMap:
+    """The collate map of the slot collate, rebuilt whenever torch's changed."""
+
+    __slots__ = ("seen", "fns", "plain", "torch_leaves")
+
+    def __init__(self, torch_map):
+        self.seen = dict(torch_map)
+        fns = dict(torch_map)
+        torchs_tensors = torch_map.get(torch.Tensor) is _tc.collate_tensor_fn
+        for type_, (torch_fn, replace) in _REPLACEMENTS.items():
+            # torch collates an array column as the column of its tensors, through
+            # the map's tensor function: the C fill is that only if it is torch's
+            if type_ is np.ndarray and not torchs_tensors:
+                continue
+            if torch_fn is not None and fns.get(type_) is torch_fn:
+                fns[type_] = replace(torch_fn)
+        self.fns = fns
+        # tensors and arrays are torch's to collate (not a user's function): a
+        # batch that came collated, or a gathered TensorDataset batch, is then
+        # what default_collate would make of the samples
+        self.torch_leaves = all(fns.get(t) is not torch_map.get(t)
+                                for t in (torch.Tensor, np.ndarray))
+        # transpose_tuples() and transpose_dicts() stand in for collate()'s tuple
+        # and mapping branches only where no function of the map claims a tuple
+        # or a dict first (collate() looks the map up before its branches)
+        self.plain = not any(isinstance((), key) or isinstance({}, key) for key in fns)
+
+
+_slot_map = _SlotMap(_tc.default_collate_fn_map)
+
+
+def current_slot_map() -> _SlotMap:
+    """The slot collate's map for torch's default_collate_fn_map as it is now."""
+    global _slot_map
+    if _slot_map.seen != _tc.default_collate_fn_map:
+        _slot_map = _SlotMap(_tc.default_collate_fn_map)
+    return _slot_map
 
 
 # -- a batch that came collated (CollatedSamples) ---------------------------------
@@ -104,40 +143,44 @@ def _collated_structure(node):
     return _collated_leaf(node)
 
 
-def _collate_column(samples):
+def _collate_column(samples, fns):
     # torch's collate() for one column: its type's function from the map, else
     # collate() itself (subclasses, containers, its errors)
-    fn = _SLOT_COLLATE_MAP.get(type(samples[0]))
+    fn = fns.get(type(samples[0]))
     if fn is not None:
-        return fn(samples, collate_fn_map=_SLOT_COLLATE_MAP)
-    return _tc.collate(samples, collate_fn_map=_SLOT_COLLATE_MAP)
+        return fn(samples, collate_fn_map=fns)
+    return _tc.collate(samples, collate_fn_map=fns)
 
 
 def slot_collate(batch):
     """Same result as torch.utils.data.default_collate, filled into the slot."""
-    if type(batch) is CollatedSamples and len(batch):
+    slot_map = current_slot_map()
+    if type(batch) is CollatedSamples and len(batch) and slot_map.torch_leaves:
         structure = _collated_structure(batch.batch)
         if structure is not None:
             return structure
         # a leaf torch must handle (requires_grad, a subclass...): the samples
-    # Plain tuples of one length (most datasets' samples): torch's collate()
-    # would check the lengths, transpose and return a list of collated columns;
-    # the first two in C. Anything else, or an error, is torch's own path.
-    columns = _core.transpose_tuples(batch) if _PLAIN_UNCLAIMED else None
-    if columns is not None:
-        return [_collate_column(column) for column in columns]
-    # Plain dicts with str keys: torch's collate() copies the first sample and
-    # sets each of its keys to the collated [d[key] for d in batch]; the
-    # columns are gathered in C. A TypeError makes torch retry another way: then
-    # its own path runs from the start.
-    parts = _core.transpose_dicts(batch) if _PLAIN_UNCLAIMED else None
-    if parts is not None:
-        keys, columns = parts
-        try:
-            return dict(zip(keys, [_collate_column(column) for column in columns]))
-        except TypeError:
-            pass
-    return _tc.collate(batch, collate_fn_map=_SLOT_COLLATE_MAP)
+    fns = slot_map.fns
+    if slot_map.plain:
+        # Plain tuples of one length (most datasets' samples): torch's collate()
+        # would check the lengths, transpose and return a list of collated
+        # columns; the first two in C. Anything else, or an error, is torch's
+        # own path.
+        columns = _core.transpose_tuples(batch)
+        if columns is not None:
+            return [_collate_column(column, fns) for column in columns]
+        # Plain dicts with str keys: torch's collate() copies the first sample
+        # and sets each of its keys to the collated [d[key] for d in batch]; the
+        # columns are gathered in C. A TypeError makes torch retry another way:
+        # then its own path runs from the start.
+        parts = _core.transpose_dicts(batch)
+        if parts is not None:
+            keys, columns = parts
+            try:
+                return dict(zip(keys, [_collate_column(column, fns) for column in columns]))
+            except TypeError:
+                pass
+    return _tc.collate(batch, collate_fn_map=fns)
 
 
 def worker_collate(collate_fn):

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.utils.data
 from torch.utils.data import TensorDataset, default_collate
+from torch.utils.data._utils.collate import default_collate_fn_map
 
 import fastloader
 from fastloader import CollatedSamples, _core
@@ -196,6 +197,55 @@ def test_dict_samples_torch_refuses_raise_torchs_error(kind):
     expected, got = errors_of(cd.DictSamplesDataset(kind), batch_size=8, **WORKERS)
     assert type(got) is type(expected)
     assert str(expected).strip().splitlines()[-1] in str(got), (expected, got)
+
+
+# ---- functions registered in torch's default_collate_fn_map -----------------------
+
+@pytest.fixture
+def torch_collate_map():
+    """torch's default_collate_fn_map, as a user may change it after importing
+    fastloader (restored afterwards)."""
+    saved = dict(default_collate_fn_map)
+    yield default_collate_fn_map
+    default_collate_fn_map.clear()
+    default_collate_fn_map.update(saved)
+
+
+def test_a_type_registered_after_import_collates_as_torch(torch_collate_map):
+    torch_collate_map[cd.Box] = cd.collate_boxes
+    batches = both(cd.BoxDataset(), **WORKERS)
+    assert batches[1][0].tolist() == [80, 90, 100, 110, 120, 130, 140, 150]
+
+
+@pytest.mark.parametrize("dataset", ["tuples", "dicts", "collated", "tensor_dataset"])
+def test_a_replaced_tensor_function_is_used_as_torch_uses_it(torch_collate_map, dataset):
+    torch_collate_map[torch.Tensor] = cd.stack_times_ten
+    made = {"tuples": lambda: cd.TupleSamplesDataset("plain"),
+            "dicts": lambda: cd.DictSamplesDataset("plain"),
+            "collated": lambda: cd.BatchedDataset("tuple"),
+            "tensor_dataset": _tensor_dataset}[dataset]
+    both(made(), **WORKERS)
+
+
+def test_a_replaced_int_function_is_used_as_torch_uses_it(torch_collate_map):
+    torch_collate_map[int] = cd.ints_as_float32
+    batches = both(cd.NumbersDataset(), **WORKERS)
+    assert batches[0][0].dtype == torch.float32
+
+
+def test_a_function_that_claims_tuples_is_used_as_torch_uses_it(torch_collate_map):
+    torch_collate_map[tuple] = cd.claim_tuples
+    batches = both(cd.TupleSamplesDataset("plain"), **WORKERS)
+    assert batches[0] == {"tuples": 8, "fields": 11}
+
+
+def test_the_c_paths_come_back_when_torchs_map_is_restored(torch_collate_map):
+    samples = [cd.TupleSamplesDataset("plain")[i] for i in range(4)]
+    torch_collate_map[torch.Tensor] = cd.stack_times_ten
+    assert type(slot_collate(samples)[0]) is torch.Tensor   # the user's function ran
+    del torch_collate_map[torch.Tensor]
+    torch_collate_map[torch.Tensor] = torch.utils.data._utils.collate.collate_tensor_fn
+    assert isinstance(slot_collate(samples)[0], DeferredStack)
 
 
 # ---- CollatedSamples -----------------------------------------------------------------

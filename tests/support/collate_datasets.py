@@ -213,3 +213,38 @@ class DictSamplesDataset(Dataset):
         if self.kind == "uncollatable":
             return {"x": row, "bad": object()}
         raise ValueError(self.kind)
+
+
+class Box:
+    """A type torch's default_collate does not know, until a test registers
+    `collate_boxes` for it in torch's default_collate_fn_map."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+def collate_boxes(batch, *, collate_fn_map=None):
+    return torch.tensor([b.value for b in batch]) * 10
+
+
+def stack_times_ten(batch, *, collate_fn_map=None):
+    """A user's replacement for torch's tensor collate function."""
+    return torch.stack(batch) * 10
+
+
+def ints_as_float32(batch, *, collate_fn_map=None):
+    """A user's replacement for torch's int collate function."""
+    return torch.tensor(batch, dtype=torch.float32)
+
+
+def claim_tuples(batch, *, collate_fn_map=None):
+    """A user's collate function for tuple samples (collate() looks it up first)."""
+    return {"tuples": len(batch), "fields": len(batch[0])}
+
+
+class BoxDataset(Dataset):
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, i):
+        return (Box(i), i, torch.full((2,), float(i)))
