@@ -27,7 +27,8 @@ transpose_tuples(PyObject *module, PyObject *batch)
     if (!PyList_CheckExact(batch) || PyList_GET_SIZE(batch) == 0)
         Py_RETURN_NONE;
     /* A private copy: allocating the columns may run the garbage collector, and
-     * a finalizer could change the caller's list; tuples cannot change. */
+     * a finalizer could change the caller's list after the copy (the copy itself
+     * is CPython's list slice, as safe as `batch[:]`); tuples cannot change. */
     PyObject *rows = PyList_GetSlice(batch, 0, PyList_GET_SIZE(batch));
     if (rows == NULL)
         return NULL;
@@ -86,18 +87,20 @@ static PyObject *
 transpose_dicts(PyObject *module, PyObject *batch)
 {
     (void)module;
-    if (!PyList_CheckExact(batch) || PyList_GET_SIZE(batch) == 0 ||
-        !PyDict_CheckExact(PyList_GET_ITEM(batch, 0)))
+    if (!PyList_CheckExact(batch) || PyList_GET_SIZE(batch) == 0)
         Py_RETURN_NONE;
     /* Everything is allocated first (a private copy of the list, the first
      * sample's keys, the columns), since an allocation may run the garbage
-     * collector and so a finalizer; the checks and the lookups after it run no
-     * Python code, so what they checked still holds when the values are read. */
+     * collector and so a finalizer; the checks and the lookups after the last
+     * allocation run no Python code, so what they checked still holds when the
+     * values are read. */
     PyObject *rows = PyList_GetSlice(batch, 0, PyList_GET_SIZE(batch));
     if (rows == NULL)
         return NULL;
-    PyObject *result = NULL, *columns = NULL;
-    PyObject *keys = PyDict_Keys(PyList_GET_ITEM(rows, 0));
+    PyObject *result = NULL, *columns = NULL, *keys = NULL;
+    if (PyList_GET_SIZE(rows) == 0 || !PyDict_CheckExact(PyList_GET_ITEM(rows, 0)))
+        goto not_plain;
+    keys = PyDict_Keys(PyList_GET_ITEM(rows, 0));
     if (keys == NULL)
         goto done;
     Py_ssize_t n = PyList_GET_SIZE(rows), width = PyList_GET_SIZE(keys);

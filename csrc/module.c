@@ -70,7 +70,7 @@ module_exec(PyObject *m)
         fl_recv_init(m) < 0 ||                /* recv() */
         fl_codec_init(m) < 0 ||               /* set_hooks(), encode(), decode() ... */
         fl_collate_fill_init(m) < 0 ||        /* column_kind(), fill_column() */
-        fl_collate_transpose_init(m) < 0 ||   /* transpose_tuples() */
+        fl_collate_transpose_init(m) < 0 ||   /* transpose_tuples(), transpose_dicts() */
         fl_packed_init(m) < 0)                /* Packed*, packed_scan(), PACKED_* */
         return -1;
     return 0;

@@ -35,7 +35,7 @@ def _tensor_dataset_batch(dataset, indices):
     """The collated batch of an exact TensorDataset, or None for torch's path."""
     if type(indices) is not list or not indices or _core.column_kind(indices) != _COL_INT64:
         return None
-    if not current_slot_map().torch_leaves:   # a user's function collates tensors
+    if not current_slot_map().torch_default:   # a user's function may claim rows or leaves
         return None
     tensors = dataset.tensors
     if not tensors or not all(_gatherable(t) for t in tensors):

@@ -69,32 +69,60 @@ _REPLACEMENTS = {
 }
 
 
+def _items(torch_map):
+    return tuple(torch_map.items())   # in order: collate()'s isinstance loop follows it
+
+
+# torch's map as torch made it, if nothing but torch's own functions was in it when
+# fastloader was imported: what CollatedSamples and the TensorDataset gather assume
+_TORCH_DEFAULT = (_items(_tc.default_collate_fn_map)
+                  if all(getattr(fn, "__module__", None) == _tc.__name__
+                         for fn in _tc.default_collate_fn_map.values()) else None)
+
+
+def _with_torchs_map(fn):
+    """A function of torch's map, called as torch's default_collate calls it: with
+    torch's map (a function that collates what it holds gets real tensors, as
+    with torch, not the slot collate's deferred ones)."""
+    def collate_with_torchs_map(batch, *, collate_fn_map=None):
+        return fn(batch, collate_fn_map=_tc.default_collate_fn_map)
+    return collate_with_torchs_map
+
+
+def _claims(key, instance):
+    try:
+        return isinstance(instance, key)
+    except TypeError:   # a key isinstance() refuses (a parameterized generic)
+        return True
+
+
 class _SlotMap:
     """The collate map of the slot collate, rebuilt whenever torch's changed."""
 
-    __slots__ = ("seen", "fns", "plain", "torch_leaves")
+    __slots__ = ("seen", "fns", "plain", "torch_default")
 
     def __init__(self, torch_map):
-        self.seen = dict(torch_map)
-        fns = dict(torch_map)
+        self.seen = _items(torch_map)
         torchs_tensors = torch_map.get(torch.Tensor) is _tc.collate_tensor_fn
-        for type_, (torch_fn, replace) in _REPLACEMENTS.items():
+        fns = {}
+        for type_, fn in torch_map.items():
+            torch_fn, replace = _REPLACEMENTS.get(type_, (None, None))
             # torch collates an array column as the column of its tensors, through
             # the map's tensor function: the C fill is that only if it is torch's
-            if type_ is np.ndarray and not torchs_tensors:
-                continue
-            if torch_fn is not None and fns.get(type_) is torch_fn:
-                fns[type_] = replace(torch_fn)
+            if (torch_fn is not None and fn is torch_fn
+                    and (type_ is not np.ndarray or torchs_tensors)):
+                fns[type_] = replace(fn)
+            else:
+                fns[type_] = _with_torchs_map(fn)
         self.fns = fns
-        # tensors and arrays are torch's to collate (not a user's function): a
-        # batch that came collated, or a gathered TensorDataset batch, is then
-        # what default_collate would make of the samples
-        self.torch_leaves = all(fns.get(t) is not torch_map.get(t)
-                                for t in (torch.Tensor, np.ndarray))
+        # the map is torch's own: a batch that came collated, or a gathered
+        # TensorDataset batch, is then what default_collate would make of the
+        # samples (any other function could claim their rows or leaves)
+        self.torch_default = self.seen == _TORCH_DEFAULT
         # transpose_tuples() and transpose_dicts() stand in for collate()'s tuple
         # and mapping branches only where no function of the map claims a tuple
         # or a dict first (collate() looks the map up before its branches)
-        self.plain = not any(isinstance((), key) or isinstance({}, key) for key in fns)
+        self.plain = not any(_claims(key, ()) or _claims(key, {}) for key in fns)
 
 
 _slot_map = _SlotMap(_tc.default_collate_fn_map)
@@ -103,7 +131,7 @@ _slot_map = _SlotMap(_tc.default_collate_fn_map)
 def current_slot_map() -> _SlotMap:
     """The slot collate's map for torch's default_collate_fn_map as it is now."""
     global _slot_map
-    if _slot_map.seen != _tc.default_collate_fn_map:
+    if _slot_map.seen != _items(_tc.default_collate_fn_map):
         _slot_map = _SlotMap(_tc.default_collate_fn_map)
     return _slot_map
 
@@ -155,7 +183,7 @@ def _collate_column(samples, fns):
 def slot_collate(batch):
     """Same result as torch.utils.data.default_collate, filled into the slot."""
     slot_map = current_slot_map()
-    if type(batch) is CollatedSamples and len(batch) and slot_map.torch_leaves:
+    if type(batch) is CollatedSamples and len(batch) and slot_map.torch_default:
         structure = _collated_structure(batch.batch)
         if structure is not None:
             return structure

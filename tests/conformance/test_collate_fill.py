@@ -3,6 +3,8 @@ vectorised TensorDataset fetch: each gives exactly torch's default_collate resul
 (types, dtypes, shapes, strides, bytes) batch by batch, or torch's own error, and
 custom collate_fns still get what torch gives them."""
 import collections
+import gc
+import numbers
 
 import numpy as np
 import pytest
@@ -143,13 +145,26 @@ def test_transpose_tuples_takes_plain_tuples_of_one_length_only():
         assert _core.transpose_tuples(batch) is None, batch
 
 
-def test_plain_tuple_batch_is_transposed_in_c_and_collates_as_torch():
+def _spy(monkeypatch, name):
+    """Record what fastloader.collate's _core.<name> returns."""
+    from fastloader import collate
+    returned = []
+    real = getattr(_core, name)
+
+    def spy(batch):
+        returned.append(real(batch))
+        return returned[-1]
+    monkeypatch.setattr(collate._core, name, spy)
+    return returned
+
+
+def test_plain_tuple_batch_is_transposed_in_c_and_collates_as_torch(monkeypatch):
     samples = [cd.TupleSamplesDataset("plain")[i] for i in range(6)]
-    before = [s[:] for s in samples]
+    transposed = _spy(monkeypatch, "transpose_tuples")
     out = slot_collate(samples)
+    assert len(transposed) == 1 and transposed[0] is not None   # the C path ran
     assert type(out) is list and len(out) == len(samples[0])
     assert isinstance(out[0], DeferredStack) and out[1].how == COLUMN
-    assert samples == before   # the samples are left as they were
     assert_identical(default_collate(samples), _core.decode(_core.encode(out)))
 
 
@@ -178,9 +193,11 @@ def test_transpose_dicts_takes_plain_dicts_with_str_keys_only():
         assert _core.transpose_dicts(batch) is None, batch
 
 
-def test_plain_dict_batch_is_gathered_in_c_and_collates_as_torch():
+def test_plain_dict_batch_is_gathered_in_c_and_collates_as_torch(monkeypatch):
     samples = [cd.DictSamplesDataset("plain")[i] for i in range(6)]
+    gathered = _spy(monkeypatch, "transpose_dicts")
     out = slot_collate(samples)
+    assert len(gathered) == 1 and gathered[0] is not None   # the C path ran
     assert type(out) is dict and list(out) == list(samples[0])
     assert isinstance(out["x"], DeferredStack) and out["label"].how == COLUMN
     assert_identical(default_collate(samples), _core.decode(_core.encode(out)))
@@ -237,6 +254,74 @@ def test_a_function_that_claims_tuples_is_used_as_torch_uses_it(torch_collate_ma
     torch_collate_map[tuple] = cd.claim_tuples
     batches = both(cd.TupleSamplesDataset("plain"), **WORKERS)
     assert batches[0] == {"tuples": 8, "fields": 11}
+
+
+def test_a_function_claiming_rows_is_used_for_collated_and_gathered_batches(torch_collate_map):
+    # the rows of a CollatedSamples batch and of a TensorDataset are tuples
+    torch_collate_map[tuple] = cd.claim_tuples
+    both(cd.BatchedDataset("tuple"), **WORKERS)
+    both(_tensor_dataset(), **WORKERS)
+
+
+def test_a_replaced_scalar_function_is_used_for_collated_array_rows(torch_collate_map):
+    key = next(k for k in torch_collate_map if isinstance(k, tuple) and np.number in k)
+    torch_collate_map[key] = cd.scalars_times_hundred
+    batches = both(cd.ArrayRowsDataset(), **WORKERS)
+    assert batches[1][0].tolist() == [200.0 + 25 * i for i in range(8)]
+
+
+def test_a_registered_function_gets_torchs_map_and_real_tensors(torch_collate_map):
+    torch_collate_map[cd.Box] = cd.boxes_through_collate
+    batches = both(cd.BoxDataset(), **WORKERS)
+    assert batches[0][0].tolist() == [[0], [10], [20], [30], [40], [50], [60], [70]]
+
+
+def test_the_maps_order_is_followed_as_torch_follows_it(torch_collate_map):
+    torch_collate_map[numbers.Number] = cd.number_fn
+    batch = [(True, 1), (False, 2)]
+    assert_identical(default_collate(batch), _core.decode(_core.encode(slot_collate(batch))))
+    int_fn = torch_collate_map.pop(int)
+    torch_collate_map[int] = int_fn     # same entries, int's now after Number's
+    assert default_collate(batch)[0].tolist() == [7, 7]
+    assert_identical(default_collate(batch), _core.decode(_core.encode(slot_collate(batch))))
+
+
+def test_a_key_isinstance_refuses_breaks_only_what_it_breaks_in_torch(torch_collate_map):
+    torch_collate_map[list[int]] = cd.generic_fn
+    # a tensor is in the map: collate() never reaches the key
+    both(cd.TensorSamplesDataset(), **WORKERS)
+    # a tuple is not: collate()'s isinstance loop reaches it and raises
+    expected, got = errors_of(cd.TupleSamplesDataset("plain"), batch_size=8, **WORKERS)
+    assert type(got) is type(expected)
+    assert str(expected).strip().splitlines()[-1] in str(got), (expected, got)
+
+
+def test_transpose_dicts_reads_the_first_sample_after_its_copy():
+    """A finalizer run by the garbage collector during transpose_dicts' first
+    allocation replaces the caller's first sample: the call sees its own copy or
+    declines, and never fails."""
+    batch = [{"a": 1}, {"a": 2}]
+
+    class Replaces:
+        def __del__(self):
+            batch[0] = 5
+
+    thresholds = gc.get_threshold()
+    gc.disable()
+    try:
+        garbage = Replaces()
+        garbage.cycle = garbage
+        del garbage
+        pending = [[] for _ in range(100)]   # allocations counted towards the next collection
+        gc.set_threshold(1)
+        gc.enable()
+        got = _core.transpose_dicts(batch)
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.enable()
+    del pending
+    assert batch[0] == 5, "the finalizer did not run during the call"
+    assert got is None or got == (["a"], [[1, 2]]), got
 
 
 def test_the_c_paths_come_back_when_torchs_map_is_restored(torch_collate_map):

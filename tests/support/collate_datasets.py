@@ -248,3 +248,50 @@ class BoxDataset(Dataset):
 
     def __getitem__(self, i):
         return (Box(i), i, torch.full((2,), float(i)))
+
+
+def scalars_times_hundred(batch, *, collate_fn_map=None):
+    """A user's replacement for torch's NumPy-scalar collate function."""
+    return torch.as_tensor(batch) * 100
+
+
+def boxes_through_collate(batch, *, collate_fn_map=None):
+    """A user's function that collates what it holds with the map it is given and
+    uses the result (torch gives it torch's map, so real tensors)."""
+    from torch.utils.data._utils.collate import collate
+    return collate([torch.tensor([b.value]) for b in batch], collate_fn_map=collate_fn_map) * 10
+
+
+def number_fn(batch, *, collate_fn_map=None):
+    """Registered for numbers.Number: which of it and int's function torch picks
+    for a bool depends on the map's order."""
+    return torch.full((len(batch),), 7)
+
+
+def generic_fn(batch, *, collate_fn_map=None):
+    return "generic"
+
+
+class ArrayRowsDataset(Dataset):
+    """1-D float64 rows through __getitems__ -> CollatedSamples: their rows' leaves
+    are NumPy scalars, which torch collates with the map's scalar function."""
+
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, i):
+        return (np.float64(i) / 4, torch.tensor(float(i)))
+
+    def __getitems__(self, indices):
+        index = np.asarray(indices, dtype=np.int64)
+        return CollatedSamples((index.astype(np.float64) / 4, torch.from_numpy(index * 1.0)))
+
+
+class TensorSamplesDataset(Dataset):
+    """One tensor per sample: collate() finds its type in the map at once."""
+
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, i):
+        return torch.full((2,), float(i))
