@@ -61,6 +61,13 @@ def both(dataset, seed=None, **kwargs):
     return fast_batches
 
 
+def assert_torchs_error(dataset, **kwargs):
+    """fastloader fails as torch does: same exception type, same last line."""
+    expected, got = errors_of(dataset, **kwargs)
+    assert type(got) is type(expected)
+    assert str(expected).strip().splitlines()[-1] in str(got), (expected, got)
+
+
 def errors_of(dataset, **kwargs):
     """(torch's error, fastloader's error) for a loader that must fail."""
     out = []
@@ -108,9 +115,7 @@ def test_fallback_columns_are_not_filled_by_c():
 
 @pytest.mark.parametrize("kind", ["overflow", "shapes", "object", "byteorder"])
 def test_unfillable_column_raises_torchs_error(kind):
-    expected, got = errors_of(cd.BadColumnDataset(kind), batch_size=8, **WORKERS)
-    assert type(got) is type(expected)
-    assert str(expected).strip().splitlines()[-1] in str(got), (expected, got)
+    assert_torchs_error(cd.BadColumnDataset(kind), batch_size=8, **WORKERS)
 
 
 def test_column_kind_and_fill_column_refuse_mismatches():
@@ -176,9 +181,7 @@ def test_tuple_samples_same_as_torch(kind):
 
 @pytest.mark.parametrize("kind", ["ragged", "uncollatable"])
 def test_tuple_samples_torch_refuses_raise_torchs_error(kind):
-    expected, got = errors_of(cd.TupleSamplesDataset(kind), batch_size=8, **WORKERS)
-    assert type(got) is type(expected)
-    assert str(expected).strip().splitlines()[-1] in str(got), (expected, got)
+    assert_torchs_error(cd.TupleSamplesDataset(kind), batch_size=8, **WORKERS)
 
 
 def test_transpose_dicts_takes_plain_dicts_with_str_keys_only():
@@ -211,9 +214,7 @@ def test_dict_samples_same_as_torch(kind):
 
 @pytest.mark.parametrize("kind", ["missing_key", "uncollatable"])
 def test_dict_samples_torch_refuses_raise_torchs_error(kind):
-    expected, got = errors_of(cd.DictSamplesDataset(kind), batch_size=8, **WORKERS)
-    assert type(got) is type(expected)
-    assert str(expected).strip().splitlines()[-1] in str(got), (expected, got)
+    assert_torchs_error(cd.DictSamplesDataset(kind), batch_size=8, **WORKERS)
 
 
 # ---- functions registered in torch's default_collate_fn_map -----------------------
@@ -291,9 +292,7 @@ def test_a_key_isinstance_refuses_breaks_only_what_it_breaks_in_torch(torch_coll
     # a tensor is in the map: collate() never reaches the key
     both(cd.TensorSamplesDataset(), **WORKERS)
     # a tuple is not: collate()'s isinstance loop reaches it and raises
-    expected, got = errors_of(cd.TupleSamplesDataset("plain"), batch_size=8, **WORKERS)
-    assert type(got) is type(expected)
-    assert str(expected).strip().splitlines()[-1] in str(got), (expected, got)
+    assert_torchs_error(cd.TupleSamplesDataset("plain"), batch_size=8, **WORKERS)
 
 
 def test_transpose_dicts_reads_the_first_sample_after_its_copy():

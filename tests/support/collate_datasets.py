@@ -148,18 +148,22 @@ def describe_collate(batch):
             "first": torch.as_tensor(batch[0][0]).clone(), "last_label": int(batch[-1][1])}
 
 
-class TupleSamplesDataset(Dataset):
-    """Tuple samples of one `kind`, for the transposition of plain tuples in C:
-    "plain" (every leaf type default_collate knows, nested containers included),
-    "ragged" (one sample a field short: torch's error), "namedtuple_first" and
-    "namedtuple_later" (a Pair among plain tuples), "list_later" (a list among
-    tuples), "uncollatable" (a field torch refuses)."""
+class _KindDataset(Dataset):
+    """24 samples of one `kind` (the subclass says which kinds it makes)."""
 
     def __init__(self, kind, length=24):
         self.kind, self.length = kind, length
 
     def __len__(self):
         return self.length
+
+
+class TupleSamplesDataset(_KindDataset):
+    """Tuple samples of one `kind`, for the transposition of plain tuples in C:
+    "plain" (every leaf type default_collate knows, nested containers included),
+    "ragged" (one sample a field short: torch's error), "namedtuple_first" and
+    "namedtuple_later" (a Pair among plain tuples), "list_later" (a list among
+    tuples), "uncollatable" (a field torch refuses)."""
 
     def __getitem__(self, i):
         row = torch.arange(3, dtype=torch.float32) + i
@@ -179,19 +183,13 @@ class TupleSamplesDataset(Dataset):
         raise ValueError(self.kind)
 
 
-class DictSamplesDataset(Dataset):
+class DictSamplesDataset(_KindDataset):
     """Dict samples of one `kind`, for the gathering of plain dicts' columns in C:
     "plain" (str keys, every leaf type default_collate knows, nested containers),
     "key_order" (later samples hold the keys in another order), "extra_keys"
     (later samples hold keys the first lacks: torch ignores them), "int_keys",
     "ordered_later" (an OrderedDict among dicts), "missing_key" (torch's
     KeyError), "uncollatable" (a value torch refuses)."""
-
-    def __init__(self, kind, length=24):
-        self.kind, self.length = kind, length
-
-    def __len__(self):
-        return self.length
 
     def __getitem__(self, i):
         row = torch.arange(3, dtype=torch.float32) + i
