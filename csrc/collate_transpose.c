@@ -15,6 +15,21 @@
  * first; extra keys in later samples are ignored, as torch ignores them. */
 #include "collate_transpose.h"
 
+/* A private copy of `batch` if it is a non-empty exact list whose first sample is
+ * exactly of type `first`; NULL otherwise (with an exception set only where the
+ * copy failed). The first sample is looked at before the copy only so that other
+ * batches cost no allocation: callers check the copy again. Allocating after this
+ * may run the garbage collector, and a finalizer could change the caller's list,
+ * not the copy (the copy itself is CPython's list slice, as safe as `batch[:]`). */
+static PyObject *
+private_rows(PyObject *batch, PyTypeObject *first)
+{
+    if (!PyList_CheckExact(batch) || PyList_GET_SIZE(batch) == 0 ||
+        Py_TYPE(PyList_GET_ITEM(batch, 0)) != first)
+        return NULL;
+    return PyList_GetSlice(batch, 0, PyList_GET_SIZE(batch));
+}
+
 PyDoc_STRVAR(transpose_tuples_doc,
 "transpose_tuples(batch)\n--\n\nReturns list[tuple] or None.\n"
 "The columns of `batch` (list(zip(*batch))) if it is a non-empty list of exact\n"
@@ -24,14 +39,9 @@ static PyObject *
 transpose_tuples(PyObject *module, PyObject *batch)
 {
     (void)module;
-    if (!PyList_CheckExact(batch) || PyList_GET_SIZE(batch) == 0)
-        Py_RETURN_NONE;
-    /* A private copy: allocating the columns may run the garbage collector, and
-     * a finalizer could change the caller's list after the copy (the copy itself
-     * is CPython's list slice, as safe as `batch[:]`); tuples cannot change. */
-    PyObject *rows = PyList_GetSlice(batch, 0, PyList_GET_SIZE(batch));
+    PyObject *rows = private_rows(batch, &PyTuple_Type);   /* tuples cannot change */
     if (rows == NULL)
-        return NULL;
+        return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
     PyObject *columns = NULL;
     Py_ssize_t n = PyList_GET_SIZE(rows);
     PyObject *first = n ? PyList_GET_ITEM(rows, 0) : NULL;
@@ -87,16 +97,14 @@ static PyObject *
 transpose_dicts(PyObject *module, PyObject *batch)
 {
     (void)module;
-    if (!PyList_CheckExact(batch) || PyList_GET_SIZE(batch) == 0)
-        Py_RETURN_NONE;
     /* Everything is allocated first (a private copy of the list, the first
      * sample's keys, the columns), since an allocation may run the garbage
      * collector and so a finalizer; the checks and the lookups after the last
      * allocation run no Python code, so what they checked still holds when the
      * values are read. */
-    PyObject *rows = PyList_GetSlice(batch, 0, PyList_GET_SIZE(batch));
+    PyObject *rows = private_rows(batch, &PyDict_Type);
     if (rows == NULL)
-        return NULL;
+        return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
     PyObject *result = NULL, *columns = NULL, *keys = NULL;
     if (PyList_GET_SIZE(rows) == 0 || !PyDict_CheckExact(PyList_GET_ITEM(rows, 0)))
         goto not_plain;

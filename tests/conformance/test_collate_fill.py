@@ -173,15 +173,23 @@ def test_plain_tuple_batch_is_transposed_in_c_and_collates_as_torch(monkeypatch)
     assert_identical(default_collate(samples), _core.decode(_core.encode(out)))
 
 
-@pytest.mark.parametrize("kind", ["plain", "namedtuple_first", "namedtuple_later",
-                                  "list_later"])
-def test_tuple_samples_same_as_torch(kind):
-    both(cd.TupleSamplesDataset(kind), **WORKERS)
+SAME_AS_TORCH = [("tuple", k) for k in ("plain", "namedtuple_first", "namedtuple_later",
+                                        "list_later")] + \
+                [("dict", k) for k in ("plain", "key_order", "extra_keys", "int_keys",
+                                       "ordered_later")]
+TORCH_REFUSES = [("tuple", "ragged"), ("tuple", "uncollatable"), ("dict", "missing_key"),
+                 ("dict", "uncollatable")]
+_SAMPLES = {"tuple": cd.TupleSamplesDataset, "dict": cd.DictSamplesDataset}
 
 
-@pytest.mark.parametrize("kind", ["ragged", "uncollatable"])
-def test_tuple_samples_torch_refuses_raise_torchs_error(kind):
-    assert_torchs_error(cd.TupleSamplesDataset(kind), batch_size=8, **WORKERS)
+@pytest.mark.parametrize("shape,kind", SAME_AS_TORCH)
+def test_tuple_and_dict_samples_same_as_torch(shape, kind):
+    both(_SAMPLES[shape](kind), **WORKERS)
+
+
+@pytest.mark.parametrize("shape,kind", TORCH_REFUSES)
+def test_tuple_and_dict_samples_torch_refuses_raise_torchs_error(shape, kind):
+    assert_torchs_error(_SAMPLES[shape](kind), batch_size=8, **WORKERS)
 
 
 def test_transpose_dicts_takes_plain_dicts_with_str_keys_only():
@@ -206,15 +214,6 @@ def test_plain_dict_batch_is_gathered_in_c_and_collates_as_torch(monkeypatch):
     assert_identical(default_collate(samples), _core.decode(_core.encode(out)))
 
 
-@pytest.mark.parametrize("kind", ["plain", "key_order", "extra_keys", "int_keys",
-                                  "ordered_later"])
-def test_dict_samples_same_as_torch(kind):
-    both(cd.DictSamplesDataset(kind), **WORKERS)
-
-
-@pytest.mark.parametrize("kind", ["missing_key", "uncollatable"])
-def test_dict_samples_torch_refuses_raise_torchs_error(kind):
-    assert_torchs_error(cd.DictSamplesDataset(kind), batch_size=8, **WORKERS)
 
 
 # ---- functions registered in torch's default_collate_fn_map -----------------------
