@@ -171,15 +171,6 @@ def _collated_structure(node):
     return _collated_leaf(node)
 
 
-def _collate_column(samples, fns):
-    # torch's collate() for one column: its type's function from the map, else
-    # collate() itself (subclasses, containers, its errors)
-    fn = fns.get(type(samples[0]))
-    if fn is not None:
-        return fn(samples, collate_fn_map=fns)
-    return _tc.collate(samples, collate_fn_map=fns)
-
-
 def slot_collate(batch):
     """Same result as torch.utils.data.default_collate, filled into the slot."""
     slot_map = current_slot_map()
@@ -196,7 +187,7 @@ def slot_collate(batch):
         # own path.
         columns = _core.transpose_tuples(batch)
         if columns is not None:
-            return [_collate_column(column, fns) for column in columns]
+            return [_tc.collate(column, collate_fn_map=fns) for column in columns]
         # Plain dicts with str keys: torch's collate() copies the first sample
         # and sets each of its keys to the collated [d[key] for d in batch]; the
         # columns are gathered in C. A TypeError makes torch retry another way:
@@ -205,7 +196,8 @@ def slot_collate(batch):
         if parts is not None:
             keys, columns = parts
             try:
-                return dict(zip(keys, [_collate_column(column, fns) for column in columns]))
+                return dict(zip(keys, [_tc.collate(column, collate_fn_map=fns)
+                                       for column in columns]))
             except TypeError:
                 pass
     return _tc.collate(batch, collate_fn_map=fns)
