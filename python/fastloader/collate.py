@@ -9,7 +9,7 @@ import torch
 from torch.utils.data._utils import collate as _tc
 
 from . import _core
-from ._codec_hooks import CODE, COLUMN, COPY, DeferredStack, exportable
+from ._codec_hooks import CODE, COLUMN, COPY, STACK, DeferredStack, exportable
 from .collated import CollatedSamples, _is_namedtuple
 
 # _core.column_kind() results (csrc/collate_fill.h)
@@ -27,6 +27,14 @@ _ARRAY_CODE = {np.dtype(n): CODE[t] for n, t in (
     (np.complex64, torch.complex64), (np.complex128, torch.complex128))}
 
 
+# The stacks deferred so far in the batch slot_collate is collating, in the order
+# torch would have run them. torch.stack raises where it stands in the walk, a
+# deferred one only once the slot is filled: when the walk fails after a deferred
+# stack that will fail too, torch would have raised the stack's error first, and
+# so does slot_collate. A worker collates one batch at a time, on one thread.
+_deferred = []
+
+
 def _stack_into_slot(batch, *, collate_fn_map=None):
     elem = batch[0]
     if exportable(elem):   # exportable() excludes nested tensors
@@ -35,7 +43,9 @@ def _stack_into_slot(batch, *, collate_fn_map=None):
         # samples are checked by torch.stack itself, with torch's own errors
         # (raised while the encoder fills the slot, and re-raised in the main
         # process like any worker error).
-        return DeferredStack(batch, (len(batch), *elem.shape), CODE[elem.dtype])
+        stack = DeferredStack(batch, (len(batch), *elem.shape), CODE[elem.dtype])
+        _deferred.append(stack)
+        return stack
     # Anything unusual (subclasses, nested or sparse tensors) takes torch's path.
     return _tc.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
 
@@ -173,6 +183,28 @@ def _collated_structure(node):
 
 def slot_collate(batch):
     """Same result as torch.utils.data.default_collate, filled into the slot."""
+    try:
+        return _slot_collate(batch)
+    except Exception:
+        _raise_first_stack_error()
+        raise
+    finally:
+        _deferred.clear()   # they keep the samples alive
+
+
+def _raise_first_stack_error():
+    """Raise the error of the first deferred stack that fails, if one does: torch
+    would have stopped there, before the error slot_collate's walk ran into."""
+    for stack in _deferred:
+        if stack.how != STACK:
+            continue
+        try:
+            torch.stack(stack.tensors, 0, out=torch.empty(stack.shape, dtype=stack.tensors[0].dtype))
+        except Exception as error:
+            raise error from None
+
+
+def _slot_collate(batch):
     slot_map = current_slot_map()
     if type(batch) is CollatedSamples and len(batch) and slot_map.torch_default:
         structure = _collated_structure(batch.batch)
@@ -190,8 +222,7 @@ def slot_collate(batch):
             return [_tc.collate(column, collate_fn_map=fns) for column in columns]
         # Plain dicts with str keys: torch's collate() copies the first sample
         # and sets each of its keys to the collated [d[key] for d in batch]; the
-        # columns are gathered in C. A TypeError makes torch retry another way:
-        # then its own path runs from the start.
+        # columns are gathered in C.
         parts = _core.transpose_dicts(batch)
         if parts is not None:
             keys, columns = parts
@@ -199,7 +230,11 @@ def slot_collate(batch):
                 return dict(zip(keys, [_tc.collate(column, collate_fn_map=fns)
                                        for column in columns]))
             except TypeError:
-                pass
+                _raise_first_stack_error()
+                # torch's retry after a TypeError, once: a plain dict of the
+                # columns gathered afresh
+                return {key: _tc.collate([d[key] for d in batch], collate_fn_map=fns)
+                        for key in batch[0]}
     return _tc.collate(batch, collate_fn_map=fns)
 
 

@@ -178,7 +178,10 @@ SAME_AS_TORCH = [("tuple", k) for k in ("plain", "namedtuple_first", "namedtuple
                 [("dict", k) for k in ("plain", "key_order", "extra_keys", "int_keys",
                                        "ordered_later")]
 TORCH_REFUSES = [("tuple", "ragged"), ("tuple", "uncollatable"), ("dict", "missing_key"),
-                 ("dict", "uncollatable")]
+                 ("dict", "uncollatable")] + \
+                [(shape, "long_row_then_uncollatable") for shape in ("tuple", "dict")] + \
+                [("tuple", "list_long_row_then_uncollatable"),
+                 ("dict", "nested_long_row_then_uncollatable")]
 _SAMPLES = {"tuple": cd.TupleSamplesDataset, "dict": cd.DictSamplesDataset}
 
 
@@ -292,6 +295,19 @@ def test_a_key_isinstance_refuses_breaks_only_what_it_breaks_in_torch(torch_coll
     both(cd.TensorSamplesDataset(), **WORKERS)
     # a tuple is not: collate()'s isinstance loop reaches it and raises
     assert_torchs_error(cd.TupleSamplesDataset("plain"), batch_size=8, **WORKERS)
+
+
+def test_a_dict_column_that_raises_typeerror_is_collated_as_often_as_in_torch(torch_collate_map):
+    # torch's collate() retries a dict batch once, another way, after a TypeError
+    torch_collate_map[cd.Box] = cd.refuse_boxes
+    samples = [{"x": torch.zeros(2), "box": cd.Box(i)} for i in range(4)]
+    calls = []
+    for collate in (default_collate, slot_collate):
+        cd.refuse_boxes.calls = 0
+        with pytest.raises(TypeError, match="boxes refused"):
+            collate(samples)
+        calls.append(cd.refuse_boxes.calls)
+    assert calls == [2, 2]
 
 
 def test_transpose_dicts_reads_the_first_sample_after_its_copy():

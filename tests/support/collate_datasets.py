@@ -163,7 +163,9 @@ class TupleSamplesDataset(_KindDataset):
     "plain" (every leaf type default_collate knows, nested containers included),
     "ragged" (one sample a field short: torch's error), "namedtuple_first" and
     "namedtuple_later" (a Pair among plain tuples), "list_later" (a list among
-    tuples), "uncollatable" (a field torch refuses)."""
+    tuples), "uncollatable" (a field torch refuses), "long_row_then_uncollatable"
+    (one sample's tensor a value longer, then a field torch refuses: torch's stack
+    error comes first), "list_long_row_then_uncollatable" (the same as lists)."""
 
     def __getitem__(self, i):
         row = torch.arange(3, dtype=torch.float32) + i
@@ -180,6 +182,10 @@ class TupleSamplesDataset(_KindDataset):
             return [row, i] if i % 8 == 3 else (row, i)
         if self.kind == "uncollatable":
             return (row, object())
+        if self.kind == "long_row_then_uncollatable":
+            return (row if i != 5 else torch.arange(4.0) + i, object())
+        if self.kind == "list_long_row_then_uncollatable":
+            return [row if i != 5 else torch.arange(4.0) + i, object()]
         raise ValueError(self.kind)
 
 
@@ -189,7 +195,10 @@ class DictSamplesDataset(_KindDataset):
     "key_order" (later samples hold the keys in another order), "extra_keys"
     (later samples hold keys the first lacks: torch ignores them), "int_keys",
     "ordered_later" (an OrderedDict among dicts), "missing_key" (torch's
-    KeyError), "uncollatable" (a value torch refuses)."""
+    KeyError), "uncollatable" (a value torch refuses), "long_row_then_uncollatable"
+    (one sample's tensor a value longer, then a value torch refuses: torch's stack
+    error comes first), "nested_long_row_then_uncollatable" (the same one dict
+    deeper)."""
 
     def __getitem__(self, i):
         row = torch.arange(3, dtype=torch.float32) + i
@@ -210,6 +219,10 @@ class DictSamplesDataset(_KindDataset):
             return {"x": row, "label": i} if i != 5 else {"x": row}
         if self.kind == "uncollatable":
             return {"x": row, "bad": object()}
+        if self.kind == "long_row_then_uncollatable":
+            return {"x": row if i != 5 else torch.arange(4.0) + i, "bad": object()}
+        if self.kind == "nested_long_row_then_uncollatable":
+            return {"label": i, "inner": {"x": row if i != 5 else torch.arange(4.0) + i, "bad": object()}}
         raise ValueError(self.kind)
 
 
@@ -223,6 +236,16 @@ class Box:
 
 def collate_boxes(batch, *, collate_fn_map=None):
     return torch.tensor([b.value for b in batch]) * 10
+
+
+def refuse_boxes(batch, *, collate_fn_map=None):
+    """A registered function that refuses its column (as a TypeError) and counts
+    its calls in `refuse_boxes.calls`."""
+    refuse_boxes.calls += 1
+    raise TypeError("boxes refused")
+
+
+refuse_boxes.calls = 0
 
 
 def stack_times_ten(batch, *, collate_fn_map=None):
