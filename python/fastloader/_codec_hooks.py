@@ -14,6 +14,7 @@ import pickle
 
 import numpy as np
 import torch
+from torch.utils.data._utils import collate as _tc
 
 from . import _core
 
@@ -144,22 +145,53 @@ def plan_stack(s):
     return s.shape, _STORAGE[s.code], s.code
 
 
+def raise_torchs_stack_error(tensors):
+    """Raise what torch's own tensor collate raises for `tensors`, if it fails. In
+    a worker it sums the tensors' numel() (an AttributeError for anything else),
+    then resizes a storage of that size (a shorter tensor fails there) before it
+    stacks: other errors, or the same ones in another order, than torch.stack's."""
+    _tc.collate_tensor_fn(tensors)
+
+
+def failed_in_collate(error) -> bool:
+    """Whether `error` came from filling a deferred stack: the batch's collate
+    failed (as torch's would, in its worker), not the sending of the batch."""
+    return getattr(error, "_fastloader_collate", False)
+
+
+def _mark_collate_error(error):
+    try:
+        error._fastloader_collate = True
+    except AttributeError:   # an exception class with __slots__
+        pass
+
+
 def fill_stack(s, dest):
     how = s.how
-    if how == COLUMN:
-        _core.fill_column(s.tensors, dest)
-        return
-    out = torch.from_numpy(dest.view(np.dtype(f"i{dest.dtype.itemsize}"))
-                           if dest.dtype.kind == "u" and _NEEDS_VIEW[s.code] else dest)
-    if _NEEDS_VIEW[s.code]:
-        out = out.view(DTYPES[s.code])
-    if how == STACK:
-        torch.stack(s.tensors, 0, out=out)
-    elif how == COPY:
-        out.copy_(s.tensors)
-    else:
-        source, index = s.tensors
-        torch.index_select(source, 0, index, out=out)
+    try:
+        if how == COLUMN:
+            _core.fill_column(s.tensors, dest)
+            return
+        out = torch.from_numpy(dest.view(np.dtype(f"i{dest.dtype.itemsize}"))
+                               if dest.dtype.kind == "u" and _NEEDS_VIEW[s.code] else dest)
+        if _NEEDS_VIEW[s.code]:
+            out = out.view(DTYPES[s.code])
+        if how == STACK:
+            torch.stack(s.tensors, 0, out=out)
+        elif how == COPY:
+            out.copy_(s.tensors)
+        else:
+            source, index = s.tensors
+            torch.index_select(source, 0, index, out=out)
+    except Exception as error:
+        if how == STACK:
+            try:
+                raise_torchs_stack_error(s.tensors)
+            except Exception as torchs:
+                _mark_collate_error(torchs)
+                raise torchs from None
+        _mark_collate_error(error)
+        raise
 
 
 class _OutOfBandPickler(pickle.Pickler):

@@ -9,7 +9,8 @@ import torch
 from torch.utils.data._utils import collate as _tc
 
 from . import _core
-from ._codec_hooks import CODE, COLUMN, COPY, STACK, DeferredStack, exportable
+from ._codec_hooks import (CODE, COLUMN, COPY, STACK, DeferredStack, exportable,
+                           raise_torchs_stack_error)
 from .collated import CollatedSamples, _is_namedtuple
 
 # _core.column_kind() results (csrc/collate_fill.h)
@@ -199,7 +200,7 @@ def _raise_first_stack_error():
         if stack.how != STACK:
             continue
         try:
-            torch.stack(stack.tensors, 0, out=torch.empty(stack.shape, dtype=stack.tensors[0].dtype))
+            raise_torchs_stack_error(stack.tensors)
         except Exception as error:
             raise error from None
 

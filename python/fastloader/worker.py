@@ -13,6 +13,7 @@ from torch.utils.data._utils import worker as _tw
 from torch.utils.data._utils.worker import WorkerInfo
 
 from . import _codec_hooks  # noqa: F401  (registers the codec hooks in this process)
+from ._codec_hooks import failed_in_collate
 from . import _core
 from . import payload as _payload
 from . import resume as _resume
@@ -265,12 +266,15 @@ class _Loop:
             data, rkind = (data, snapshot), RES_BATCH_SNAP
         try:
             chan.publish(rkind, seq, data)
-        except (pickle.PicklingError, TypeError, AttributeError) as exc:
-            chan.publish(RES_ERROR, seq, _unencodable(wid, seq, index, data, exc))
-        except Exception:
-            # e.g. stacking into the slot failed, or no memory for a segment: the
-            # main process re-raises it with this worker's traceback
-            chan.publish(RES_ERROR, seq, _wrap_exception(wid, seq, index))
+        except Exception as exc:
+            if isinstance(exc, (pickle.PicklingError, TypeError, AttributeError)) \
+                    and not failed_in_collate(exc):
+                chan.publish(RES_ERROR, seq, _unencodable(wid, seq, index, data, exc))
+            else:
+                # e.g. stacking into the slot failed (torch's collate error), or no
+                # memory for a segment: the main process re-raises it with this
+                # worker's traceback
+                chan.publish(RES_ERROR, seq, _wrap_exception(wid, seq, index))
         del data
 
 

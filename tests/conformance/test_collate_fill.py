@@ -181,7 +181,8 @@ TORCH_REFUSES = [("tuple", "ragged"), ("tuple", "uncollatable"), ("dict", "missi
                  ("dict", "uncollatable")] + \
                 [(shape, "long_row_then_uncollatable") for shape in ("tuple", "dict")] + \
                 [("tuple", "list_long_row_then_uncollatable"),
-                 ("dict", "nested_long_row_then_uncollatable")]
+                 ("dict", "nested_long_row_then_uncollatable")] + \
+                [("tuple", k) for k in ("short_row", "int_among_rows", "array_among_rows")]
 _SAMPLES = {"tuple": cd.TupleSamplesDataset, "dict": cd.DictSamplesDataset}
 
 

@@ -165,7 +165,10 @@ class TupleSamplesDataset(_KindDataset):
     "namedtuple_later" (a Pair among plain tuples), "list_later" (a list among
     tuples), "uncollatable" (a field torch refuses), "long_row_then_uncollatable"
     (one sample's tensor a value longer, then a field torch refuses: torch's stack
-    error comes first), "list_long_row_then_uncollatable" (the same as lists)."""
+    error comes first), "list_long_row_then_uncollatable" (the same as lists),
+    "short_row" (one tensor a value short: torch's worker fails to resize its
+    storage), "int_among_rows" and "array_among_rows" (a number or an array among
+    the tensors: torch's worker has no numel() for it)."""
 
     def __getitem__(self, i):
         row = torch.arange(3, dtype=torch.float32) + i
@@ -186,6 +189,12 @@ class TupleSamplesDataset(_KindDataset):
             return (row if i != 5 else torch.arange(4.0) + i, object())
         if self.kind == "list_long_row_then_uncollatable":
             return [row if i != 5 else torch.arange(4.0) + i, object()]
+        if self.kind == "short_row":
+            return (row if i != 5 else row[:2], i)
+        if self.kind == "int_among_rows":
+            return (row if i != 5 else i, i)
+        if self.kind == "array_among_rows":
+            return (row if i != 5 else row.numpy(), i)
         raise ValueError(self.kind)
 
 
