@@ -47,8 +47,13 @@ class _State:
     def __init__(self):
         # Never held across a fork or any wait: a fork's other hooks take the import
         # and logging locks, and a thread holding one of those may run a finalizer
-        # (garbage collection) that retires a pool here.
-        self.lock = threading.Lock()
+        # (garbage collection) that retires a pool here. Re-entrant: any allocation
+        # made while it is held (a set in _tids_alive inside a fork's guard, a list
+        # in the reaper thread's loop) may run the garbage collector, and with it an
+        # iterator's finalizer that retires its pool (retire() takes this lock) on
+        # the same thread; a plain lock hung the process there for ever. Every
+        # section below stays consistent when a retire() runs in the middle of it.
+        self.lock = threading.RLock()
         # forks under way in this process (_before_fork .. _after_fork_in_parent):
         # meanwhile no thread starts and the one in _loop does not leave it
         self.forking = 0
@@ -222,7 +227,9 @@ def _loop(st: _State) -> None:
     while True:
         with st.lock:
             jobs = list(st.jobs)
-            if not jobs and not st.forking:
+            # st.jobs, not the copy: a retire() run by a collection during the copy
+            # saw this thread running and started none
+            if not st.jobs and not st.forking:
                 st.running = False
                 st.loop_tid = None
                 st.idle.set()

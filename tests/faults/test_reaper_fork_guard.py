@@ -359,3 +359,84 @@ def test_a_finalizer_in_another_thread_during_a_fork_does_not_deadlock():
         pytest.fail("the fork and the other thread's retire() deadlocked")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "OK", (result.stdout, result.stderr)
+
+
+_COLLECTION_UNDER_THE_LOCK = textwrap.dedent("""
+    import gc, os, sys, weakref
+    from fastloader import DataLoader, reaper
+
+    where = sys.argv[1]
+    loader = DataLoader(list(range(8)), batch_size=4, num_workers=1,
+                        multiprocessing_context="fork")
+    it = iter(loader)
+    next(it)
+    pids = list(it.worker_pids)
+    gc.disable()   # the collection below is the one that frees the iterator
+    it.cycle = it
+    dropped = weakref.ref(it)
+    del it
+    collected = []
+
+    def collect_once():
+        if not collected:
+            collected.append(True)
+            gc.collect()   # the iterator's finalizer retires its pool: retire() takes the lock
+
+    if where == "fork guard":
+        # an allocation of the guard's (a set in _tids_alive) runs the collector
+        real = reaper._tids_alive
+
+        def tids_alive(st):
+            collect_once()
+            return real(st)
+
+        reaper._tids_alive = tids_alive
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+        reaper._tids_alive = real
+    else:
+        # an allocation of the reaper thread's loop (its copy of the jobs) runs it
+        class Jobs(list):
+            def __iter__(self):
+                collect_once()
+                return super().__iter__()
+
+        class Job:
+            def wait_fds(self):
+                return []
+            def step(self, now):
+                return True
+
+        reaper._state.jobs = Jobs()
+        reaper.retire(Job())
+        assert reaper.wait_idle(30), "the reaper thread should finish"
+    gc.enable()
+    assert collected and dropped() is None, "the collection should have freed the iterator"
+    assert reaper.wait_idle(30), "the dropped iterator's pool should be reaped"
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        raise AssertionError(f"worker {pid} was not reaped")
+    print("OK", flush=True)
+""")
+
+
+@pytest.mark.parametrize("where", ["fork guard", "reaper thread"])
+def test_a_collection_while_the_reapers_lock_is_held_does_not_deadlock(where):
+    """Any allocation may run the garbage collector, and with it the finalizer of
+    an iterator dropped in a reference cycle, which retires its pool: also an
+    allocation made while the reaper's own lock is held, on the same thread (the
+    fork guard's, found when torch's DataLoader forked its workers; the reaper
+    thread's loop). That retire() must neither deadlock nor lose the pool."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    try:
+        result = subprocess.run([sys.executable, "-c", _COLLECTION_UNDER_THE_LOCK, where],
+                                capture_output=True, text=True, timeout=90, env=env)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"a retire() run by a collection in the {where} deadlocked")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "OK", (result.stdout, result.stderr)
