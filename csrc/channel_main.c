@@ -609,12 +609,26 @@ fl_mainchan_take(fl_state *st, MainChannelObject *c, const fl_result *r)
     }
     /* views hold the owner now; if none was made the slot is released right here */
     Py_XDECREF(owner_obj);
-    if (payload == NULL)
-        return NULL;
-    if (r->kind == FL_RES_BATCH || r->kind == FL_RES_BATCH_SNAP)
+    unsigned kind = r->kind;
+    if (payload == NULL) {
+        /* The result was taken off the ring but cannot be rebuilt here (an object
+         * whose unpickling fails in this process, bytes that fail validation):
+         * raising now would lose its seq, and the next next() would wait for it
+         * for ever. It becomes that batch's error, raised in its turn as a
+         * worker's error is, with the exception itself as the payload. Ctrl-C and
+         * other non-Exceptions still propagate at once. */
+        if (!PyErr_ExceptionMatches(PyExc_Exception))
+            return NULL;
+        payload = fl_take_exception();
+        if (payload == NULL)
+            return NULL;
+        kind = FL_RES_ERROR;
+    }
+    else if (kind == FL_RES_BATCH || kind == FL_RES_BATCH_SNAP) {
         c->n_batches++;
-    return Py_BuildValue("(iLINI)", c->worker_id, (long long)r->seq, (unsigned)r->kind,
-                         payload, (unsigned)r->where);
+    }
+    return Py_BuildValue("(iLINI)", c->worker_id, (long long)r->seq, kind, payload,
+                         (unsigned)r->where);
 }
 
 static PyObject *

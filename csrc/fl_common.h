@@ -29,6 +29,10 @@ enum fl_strategy { FL_STRATEGY_FD = 0, FL_STRATEGY_FS = 1 };
 /* Raise the exception that matches `code`; `what` names the operation and, for
  * FL_ERRNO, `err` is the saved errno. Always returns NULL. */
 PyObject *fl_raise(int code, int err, const char *what);
+
+/* The exception being raised (cleared), normalised, with its traceback attached;
+ * NULL if none. */
+PyObject *fl_take_exception(void);
 /* The same, for an operation on a named file or segment: an OSError then carries
  * errno and `filename` (NULL: none) and is of the matching subclass. Running out
  * of memory or shared memory (ENOMEM, ENOSPC, EFBIG) is a MemoryError: put the

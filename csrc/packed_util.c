@@ -6,29 +6,11 @@
 #include <string.h>
 #include <unistd.h>
 
-/* The exception being raised, normalised, with its traceback attached. */
-static PyObject *
-packed_take_exception(void)
-{
-#if PY_VERSION_HEX >= 0x030C0000
-    return PyErr_GetRaisedException();
-#else
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);
-    PyErr_NormalizeException(&type, &value, &tb);
-    if (value != NULL && tb != NULL)
-        PyException_SetTraceback(value, tb);
-    Py_XDECREF(type);
-    Py_XDECREF(tb);
-    return value;
-#endif
-}
-
 /* Raise exc_type(message) "from" the exception being raised now. */
 void
 fl_packed_raise_from(PyObject *exc_type, const char *fmt, ...)
 {
-    PyObject *cause = packed_take_exception();
+    PyObject *cause = fl_take_exception();
     PyObject *msg = NULL, *exc = NULL;
     va_list va;
     va_start(va, fmt);

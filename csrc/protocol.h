@@ -25,7 +25,8 @@ enum {
 enum {
     FL_RES_DEAD = 0,      /* never in the ring: recv() reports a worker's death so */
     FL_RES_BATCH = 1,
-    FL_RES_ERROR = 2,     /* payload: an ExceptionWrapper */
+    FL_RES_ERROR = 2,     /* payload: an ExceptionWrapper (recv(): or the exception
+                           * that rebuilding a batch raised in the main process) */
     FL_RES_ITER_END = 3,  /* the worker's IterableDataset replica is exhausted */
     FL_RES_RESUMED = 4,   /* acknowledges FL_TASK_RESUME */
     FL_RES_BATCH_SNAP = 5, /* payload: (batch, worker snapshot) for resuming */

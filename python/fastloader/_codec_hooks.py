@@ -29,7 +29,9 @@ _NATIVE = {
 _RAW_BY_WIDTH = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 _OPTIONAL_NATIVE = {"uint16": np.uint16, "uint32": np.uint32, "uint64": np.uint64}
 _OPTIONAL_RAW = ("bfloat16", "complex32", "float8_e4m3fn", "float8_e5m2",
-                 "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+                 "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+                 # no pickle rebuilds these (torch's own fails): bytes are all they are
+                 "bits8", "bits16", "bits1x8", "bits2x4", "bits4x2")
 
 DTYPES: list = []          # code -> torch dtype
 _STORAGE: list = []        # code -> NumPy dtype of the bytes

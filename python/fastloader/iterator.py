@@ -44,6 +44,17 @@ _FAILURE_GRACE_S = 0.2
 # no worker ran it, so it is not one to replay on resume.
 _NOT_SENT = object()
 
+
+class _Unrebuilt:
+    """A batch the main process could not rebuild: what it raised, kept for the
+    batch's turn (a batch may itself be an exception object)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error):
+        self.error = error
+
+
 def _task_bytes_estimate(loader) -> int:
     bs = getattr(loader.batch_sampler, "batch_size", None) or loader.batch_size or 1
     return 64 + 8 * int(bs)
@@ -298,6 +309,10 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
                 # kept for state_dict() for long: a copy, so that it does not pin a
                 # ring slot (nor make later forks inherit it, see segment.c)
                 snap = copy.deepcopy(snap)
+            elif kind == RES_ERROR and isinstance(data, BaseException):
+                # the batch arrived but could not be rebuilt here (see
+                # fl_mainchan_take): its error is raised, unchanged, in its turn
+                data = _Unrebuilt(data)
             elif kind == RES_ERROR and not isinstance(data, ExceptionWrapper):
                 data = ExceptionWrapper(where=f"in DataLoader worker process {wid}")
             result = (data, where, snap)
@@ -371,6 +386,8 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         self._try_put_index()
         if isinstance(data, ExceptionWrapper):
             data.reraise()
+        if type(data) is _Unrebuilt:
+            raise data.error
         if self._pin_memory:
             data = _pin.pin_memory(data, self._pin_memory_device)
         return data

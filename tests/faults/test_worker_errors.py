@@ -81,3 +81,37 @@ def test_unencodable_sample_names_the_type():
     with deadline(10), pytest.raises(Exception) as info:
         next(iter(loader))
     assert "lock" in str(info.value).lower(), str(info.value)
+
+
+@pytest.mark.parametrize("batch_size", [None, 4])
+def test_a_batch_the_main_process_cannot_rebuild_raises_in_its_turn(batch_size):
+    """A batch that arrives but cannot be rebuilt in the main process (an object
+    whose unpickling fails there) raises its own exception at its turn; the
+    batches before and after it are delivered. It once raised and lost the
+    batch's place: the next next() waited for it for ever."""
+    dataset = ds.FailsToArriveDataset(n=16, bad=5)
+    loader = DataLoader(dataset, batch_size=batch_size, num_workers=2, timeout=30,
+                        collate_fn=ds.list_collate if batch_size else None,
+                        multiprocessing_context="fork")
+    got, errors = [], []
+    it = iter(loader)
+    with deadline(120):
+        while True:
+            try:
+                batch = next(it)
+            except StopIteration:
+                break
+            except ValueError as error:
+                errors.append(error)
+                got.append("error")
+                continue
+            samples = batch if batch_size else [batch]
+            got.append([int(sample[0]) for sample in samples])
+    bad = 5 if batch_size is None else 1
+    expected = [[i] for i in range(16)] if batch_size is None else \
+        [[4 * b + i for i in range(4)] for b in range(4)]
+    expected[bad] = "error"
+    assert got == expected
+    assert len(errors) == 1
+    # unchanged, as torch raises an unpickling error (tests/transport/test_aliasing.py)
+    assert str(errors[0]) == "sample 5 cannot be rebuilt in the main process"

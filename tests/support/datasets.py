@@ -484,6 +484,39 @@ class LockDataset(Dataset):
         return {"index": index, "lock": threading.Lock()}
 
 
+def _rebuild_outside(pid, index):
+    if os.getpid() == pid:
+        raise ValueError(f"sample {index} cannot be rebuilt in the main process")
+    return index
+
+
+class RebuiltOnlyInWorkers:
+    """Pickles in a worker; unpickling it in the process that made the dataset
+    raises (as a class that the main process cannot import would)."""
+
+    def __init__(self, pid, index):
+        self.pid, self.index = pid, index
+
+    def __reduce__(self):
+        return _rebuild_outside, (self.pid, self.index)
+
+
+class FailsToArriveDataset(Dataset):
+    """Sample `bad` holds a RebuiltOnlyInWorkers: the main process cannot rebuild
+    the batch it is in; every other sample is `torch.tensor([index])`."""
+
+    def __init__(self, n=N, bad=5):
+        self.n, self.bad, self.pid = n, bad, os.getpid()
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, index):
+        if index == self.bad:
+            return [torch.tensor([index]), RebuiltOnlyInWorkers(self.pid, index)]
+        return [torch.tensor([index])]
+
+
 def list_collate(batch):
     return batch
 

@@ -78,6 +78,20 @@ def test_round_trip(obj):
     _same(obj, _core.decode(_core.encode(obj)))
 
 
+@pytest.mark.parametrize("name", ["bits8", "bits16", "bits1x8", "bits2x4", "bits4x2"])
+def test_bits_tensors_travel_as_their_bytes(name):
+    # pickle cannot rebuild these (torch's own reduction fails on load)
+    dtype = getattr(torch, name, None)
+    if dtype is None:
+        pytest.skip(f"torch {torch.__version__} has no {name}")
+    raw = torch.int16 if torch.empty(0, dtype=dtype).element_size() == 2 else torch.uint8
+    t = torch.arange(6, dtype=raw).reshape(2, 3).view(dtype)
+    out = _core.decode(_core.encode({"t": t, "v": t[1:]}))
+    assert out["t"].dtype == dtype and out["t"].shape == (2, 3)
+    assert out["t"].view(raw).tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert out["v"].view(raw).tolist() == [[3, 4, 5]]
+
+
 def test_tensors_are_views_of_the_buffer_and_keep_it_alive():
     batch = {"x": torch.arange(1000, dtype=torch.float64), "y": np.arange(10)}
     out = _core.decode(_core.encode(batch))
