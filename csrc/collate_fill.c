@@ -7,7 +7,8 @@
  * Only columns whose result is certain are taken: exact types (no subclasses, no
  * mix of int and bool or float, which torch would promote), ints that fit int64
  * (torch raises otherwise, and the fallback lets it), arrays of one native numeric
- * dtype and one shape. Everything else stays on torch's path. */
+ * dtype and one shape, with strides torch.as_tensor accepts. Everything else
+ * stays on torch's path. */
 #define NO_IMPORT_ARRAY
 #define PY_ARRAY_UNIQUE_SYMBOL fastloader_ARRAY_API
 #include "collate_fill.h"
@@ -24,12 +25,27 @@ numeric_native(PyArrayObject *a)
            !PyDataType_HASSUBARRAY(d);
 }
 
+/* Whether torch.as_tensor takes this array as it is: it refuses (ValueError) a
+ * negative stride, or one not a multiple of the item size, whatever the shape;
+ * such a column stays on torch's path so that the same error is raised. */
+static int
+strides_torch_accepts(PyArrayObject *a)
+{
+    npy_intp item = PyArray_ITEMSIZE(a);
+    npy_intp *strides = PyArray_STRIDES(a);
+    for (int i = 0; i < PyArray_NDIM(a); i++)
+        if (strides[i] < 0 || (item != 0 && strides[i] % item != 0))
+            return 0;
+    return 1;
+}
+
 static int
 same_array_layout(PyArrayObject *a, PyArrayObject *first)
 {
     int nd = PyArray_NDIM(first);
     if (Py_TYPE(a) != &PyArray_Type || PyArray_NDIM(a) != nd ||
-        PyArray_DESCR(a)->type_num != PyArray_DESCR(first)->type_num || !numeric_native(a))
+        PyArray_DESCR(a)->type_num != PyArray_DESCR(first)->type_num || !numeric_native(a) ||
+        !strides_torch_accepts(a))
         return 0;
     return nd == 0 || memcmp(PyArray_DIMS(a), PyArray_DIMS(first), sizeof(npy_intp) * nd) == 0;
 }
@@ -62,7 +78,7 @@ kind_of(PyObject *seq)
     }
     if (tp == &PyArray_Type) {
         PyArrayObject *first = (PyArrayObject *)items[0];
-        if (!numeric_native(first))
+        if (!numeric_native(first) || !strides_torch_accepts(first))
             return FL_COL_OTHER;
         for (Py_ssize_t i = 1; i < n; i++)
             if (!same_array_layout((PyArrayObject *)items[i], first))

@@ -36,9 +36,15 @@ _ARRAY_CODE = {np.dtype(n): CODE[t] for n, t in (
 _deferred = []
 
 
+_PLAIN_TENSOR = {torch.Tensor}
+
+
 def _stack_into_slot(batch, *, collate_fn_map=None):
     elem = batch[0]
-    if exportable(elem):   # exportable() excludes nested tensors
+    # Every sample a plain tensor (exportable() also excludes nested tensors): a
+    # subclass anywhere makes torch.stack return the subclass, through its
+    # __torch_function__, and torch's path below gives that.
+    if exportable(elem) and set(map(type, batch)) == _PLAIN_TENSOR:
         # Like torch's worker-side collate, the output is sized and typed from
         # the first sample and filled by torch.stack(..., out=...), so the other
         # samples are checked by torch.stack itself, with torch's own errors

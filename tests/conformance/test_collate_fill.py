@@ -174,7 +174,7 @@ def test_plain_tuple_batch_is_transposed_in_c_and_collates_as_torch(monkeypatch)
 
 
 SAME_AS_TORCH = [("tuple", k) for k in ("plain", "namedtuple_first", "namedtuple_later",
-                                        "list_later")] + \
+                                        "list_later", "subclass_later")] + \
                 [("dict", k) for k in ("plain", "key_order", "extra_keys", "int_keys",
                                        "ordered_later")]
 TORCH_REFUSES = [("tuple", "ragged"), ("tuple", "uncollatable"), ("dict", "missing_key"),
@@ -182,7 +182,8 @@ TORCH_REFUSES = [("tuple", "ragged"), ("tuple", "uncollatable"), ("dict", "missi
                 [(shape, "long_row_then_uncollatable") for shape in ("tuple", "dict")] + \
                 [("tuple", "list_long_row_then_uncollatable"),
                  ("dict", "nested_long_row_then_uncollatable")] + \
-                [("tuple", k) for k in ("short_row", "int_among_rows", "array_among_rows")]
+                [("tuple", k) for k in ("short_row", "int_among_rows", "array_among_rows",
+                                        "negative_stride_arrays", "odd_stride_arrays")]
 _SAMPLES = {"tuple": cd.TupleSamplesDataset, "dict": cd.DictSamplesDataset}
 
 

@@ -148,6 +148,10 @@ def describe_collate(batch):
             "first": torch.as_tensor(batch[0][0]).clone(), "last_label": int(batch[-1][1])}
 
 
+class Tagged(torch.Tensor):
+    """A tensor subclass (torch.stack keeps it, through __torch_function__)."""
+
+
 class _KindDataset(Dataset):
     """24 samples of one `kind` (the subclass says which kinds it makes)."""
 
@@ -168,10 +172,20 @@ class TupleSamplesDataset(_KindDataset):
     error comes first), "list_long_row_then_uncollatable" (the same as lists),
     "short_row" (one tensor a value short: torch's worker fails to resize its
     storage), "int_among_rows" and "array_among_rows" (a number or an array among
-    the tensors: torch's worker has no numel() for it)."""
+    the tensors: torch's worker has no numel() for it), "subclass_later" (a tensor
+    subclass among plain tensors: torch's batch is of the subclass),
+    "negative_stride_arrays" and "odd_stride_arrays" (arrays torch.as_tensor
+    refuses: a negative stride, a stride not a multiple of the item size)."""
 
     def __getitem__(self, i):
         row = torch.arange(3, dtype=torch.float32) + i
+        if self.kind == "subclass_later":
+            return (row.as_subclass(Tagged) if i % 8 == 3 else row, i)
+        if self.kind == "negative_stride_arrays":
+            return ((np.arange(4, dtype=np.float32) + i)[::-1], i)
+        if self.kind == "odd_stride_arrays":
+            raw = np.zeros(13, np.uint8)
+            return (np.lib.stride_tricks.as_strided(raw[1:].view(np.int32), (2,), (5,)), i)
         if self.kind == "plain":
             return (row, i, i / 4, i % 2 == 0, np.full(2, i, np.int16), f"s{i}", b"b",
                     (row * 2, i), {"k": i, "t": row[:2]}, Pair(row, i), [i, i + 1])
