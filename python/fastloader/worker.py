@@ -127,12 +127,11 @@ def worker_main(spec, handle, fds, inherited_fds=()):
         _serve(spec, chan, current)
     except SystemExit:
         raise   # an exit code: the main process reports it once it took our results
-    except BaseException:
+    except BaseException as exc:
         # Leaving the loop by an exception: what we published stays (the channel
         # keeps it for the main process), and this error follows it, so the main
-        # process delivers every earlier batch and then raises this, as for an
-        # exception in __getitem__.
-        current.report(chan, spec.worker_id)
+        # process delivers every earlier batch and then raises it.
+        current.report(chan, spec.worker_id, exc)
         raise
     finally:
         chan.cleanup()
@@ -144,14 +143,29 @@ class _Current:
     seq = None
     index = None
 
-    def report(self, chan, worker_id):
+    def report(self, chan, worker_id, exc):
         if self.seq is None:
             return   # between tasks: the main process reports our exit instead
         try:
-            chan.publish(RES_ERROR, self.seq, _wrap_exception(worker_id, self.seq,
-                                                                    self.index))
+            chan.publish(RES_ERROR, self.seq, _exit_error(worker_id, self.seq, self.index,
+                                                          exc))
         except BaseException:
             pass   # the exit code still tells the main process
+
+
+def _exit_error(worker_id, seq, index, exc):
+    """The error for a worker leaving its loop by `exc` (not an Exception: a
+    KeyboardInterrupt or GeneratorExit raised by the dataset; SIGINT is ignored
+    here, so it is never the user's Ctrl-C). torch's worker dies of it and its
+    main process raises RuntimeError ("exited unexpectedly"): raising `exc` itself
+    in the main process would look like Ctrl-C there, so it is a WorkerError (a
+    RuntimeError) that names it, with its traceback."""
+    try:
+        raise _core.WorkerError(
+            f"DataLoader worker {worker_id} (pid {os.getpid()}) exited unexpectedly: "
+            f"{type(exc).__name__} raised while building batch {seq}") from exc
+    except _core.WorkerError:
+        return _wrap_exception(worker_id, seq, index)
 
 
 class _Loop:

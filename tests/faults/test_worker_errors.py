@@ -50,6 +50,26 @@ def test_getitem_exception_reraised_with_type_and_traceback(ctx, nw, strategy, b
     del it, loader
 
 
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, GeneratorExit])
+def test_a_base_exception_in_getitem_is_a_worker_error_not_itself(exc):
+    """A KeyboardInterrupt (or GeneratorExit) raised by the dataset kills torch's
+    worker, and torch's main process raises RuntimeError ("exited unexpectedly").
+    It was re-raised as itself in the main process, where a KeyboardInterrupt
+    reads as the user's Ctrl-C. Now: a WorkerError (a RuntimeError) naming it,
+    after the batches before it."""
+    loader = DataLoader(ds.BaseExceptionDataset(exc, bad_index=5), batch_size=1,
+                        num_workers=2, multiprocessing_context="fork", timeout=60)
+    got = []
+    with deadline(90):
+        with pytest.raises(WorkerError) as info:
+            for batch in loader:
+                got.append(int(batch))
+    assert got == list(range(5))
+    message = str(info.value)
+    assert "exited unexpectedly" in message and f"{exc.__name__} raised" in message, message
+    assert "the dataset raised this at 5" in message, message   # its traceback
+
+
 def test_collate_exception_reraised():
     loader = DataLoader(ds.TensorLabelDataset(), batch_size=4, num_workers=2,
                         collate_fn=ds.raising_collate, multiprocessing_context="fork")

@@ -405,6 +405,22 @@ class RaisingDataset(Dataset):
         return torch.tensor([index])
 
 
+class BaseExceptionDataset(Dataset):
+    """Raises `exc` (a BaseException that is not an Exception: KeyboardInterrupt,
+    GeneratorExit) for one index."""
+
+    def __init__(self, exc, n=N, bad_index=5):
+        self.exc, self.n, self.bad_index = exc, n, bad_index
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, index):
+        if index == self.bad_index:
+            raise self.exc(f"the dataset raised this at {index}")
+        return torch.tensor([index])
+
+
 def raising_collate(batch):
     raise LookupError(f"collate refused a batch of {len(batch)}")
 
