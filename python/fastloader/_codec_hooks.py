@@ -9,8 +9,12 @@ through pickle.
 """
 from __future__ import annotations
 
+import copyreg
 import io
+import multiprocessing.connection
 import pickle
+import socket
+from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
 import torch
@@ -230,10 +234,22 @@ class _OutOfBandUnpickler(pickle.Unpickler):
         return self._oob[pid[1]]
 
 
+# Objects that hold a file descriptor travel as torch's queue sends them, through
+# multiprocessing's own reducers (the receiver gets a duplicate of the fd from the
+# worker). Plain pickle copied a socket's refusal, and a Connection's fd *number*:
+# in the main process that names some other file, which its __del__ then closed.
+_FD_REDUCERS = {t: ForkingPickler._extra_reducers[t]
+                for t in (socket.socket, multiprocessing.connection.Connection)
+                if t in ForkingPickler._extra_reducers}
+
+
 def dumps(obj):
     buf = io.BytesIO()
     oob: list = []
-    _OutOfBandPickler(buf, oob).dump(obj)
+    pickler = _OutOfBandPickler(buf, oob)
+    # copied per batch, so that a copyreg.pickle() made since is honoured
+    pickler.dispatch_table = {**copyreg.dispatch_table, **_FD_REDUCERS}
+    pickler.dump(obj)
     return buf.getvalue(), oob
 
 

@@ -549,3 +549,30 @@ class MatmulDataset(Dataset):
     def __getitem__(self, index):
         a = (torch.arange(64 * 64, dtype=torch.float32).reshape(64, 64) % 7) + index % 3
         return (a @ a.t()).sum(dim=1), index
+
+
+class FdObjectsDataset(Dataset):
+    """Samples holding file descriptors made in the worker: (i, one end of a
+    socketpair whose peer sent b"sock i", the read end of a Pipe that sent i)."""
+
+    def __init__(self, n=6, what=("socket", "connection")):
+        self.n, self.what = n, what
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        import multiprocessing
+        import socket
+        sample = [i]
+        if "socket" in self.what:
+            a, b = socket.socketpair()
+            b.sendall(b"sock %d" % i)
+            b.close()
+            sample.append(a)
+        if "connection" in self.what:
+            r, w = multiprocessing.Pipe(duplex=False)
+            w.send(i)
+            w.close()
+            sample.append(r)
+        return tuple(sample)
