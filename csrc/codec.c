@@ -16,6 +16,12 @@ enum {
 
 #define FL_DATA_ALIGN 64
 #define FL_MAX_DEPTH 200
+/* A container this deep travels pickled whole, with its tensors and arrays still
+ * out of band: pickle nests as deep as Python's recursion limit allows, as in
+ * torch's queue, while the codec's own nesting (which the decoder bounds, as
+ * hostile input) stays under FL_MAX_DEPTH. The pickle's buffer list and its
+ * leaves take the two levels below. */
+#define FL_PICKLE_DEPTH (FL_MAX_DEPTH - 4)
 
 typedef struct {
     uint32_t magic;
@@ -209,6 +215,7 @@ static int plan_obj(fl_state *st, fl_plan *p, PyObject *o, int depth);
 static int plan_memo(fl_state *st, fl_plan *p, PyObject *o, int depth);
 static int plan_compound(fl_state *st, fl_plan *p, PyObject *o, int depth);
 static int plan_pickle(fl_state *st, fl_plan *p, PyObject *o, int depth);
+static int plan_seq(fl_state *st, fl_plan *p, PyObject *o, int depth);
 
 static int
 plan_ndarray(fl_plan *p, PyArrayObject *a)
@@ -478,7 +485,11 @@ plan_pickle(fl_state *st, fl_plan *p, PyObject *o, int depth)
     op->obj = data;
     if (put_u64(p, op->off) < 0 || put_u64(p, n) < 0)
         goto done;
-    rc = plan_obj(st, p, oob, depth + 1);
+    /* the buffer list as a plain T_LIST (not through plan_obj: at FL_PICKLE_DEPTH
+     * a list would be pickled again); its items are tensors and arrays */
+    if (put_u8(p, T_LIST) < 0)
+        goto done;
+    rc = plan_seq(st, p, oob, depth + 1);
 done:
     Py_DECREF(r);
     return rc;
@@ -607,6 +618,8 @@ static int
 plan_compound(fl_state *st, fl_plan *p, PyObject *o, int depth)
 {
     PyTypeObject *tp = Py_TYPE(o);
+    if (depth >= FL_PICKLE_DEPTH && (PyTuple_Check(o) || PyList_Check(o) || PyDict_Check(o)))
+        return plan_pickle(st, p, o, depth);
     if (tp == &PyList_Type || tp == &PyTuple_Type) {
         int rc;
         if (put_u8(p, tp == &PyList_Type ? T_LIST : T_TUPLE) < 0)

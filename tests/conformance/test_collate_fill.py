@@ -197,6 +197,10 @@ def test_tuple_and_dict_samples_torch_refuses_raise_torchs_error(shape, kind):
     assert_torchs_error(_SAMPLES[shape](kind), batch_size=8, **WORKERS)
 
 
+def test_samples_nested_deeper_than_the_codec_goes_same_as_torch():
+    both(cd.DeepDataset(depth=300), **WORKERS)
+
+
 def test_transpose_dicts_takes_plain_dicts_with_str_keys_only():
     a, b = torch.zeros(2), torch.ones(2)
     keys, columns = _core.transpose_dicts([{"x": a, "y": 1}, {"y": 2, "x": b, "z": 0}])

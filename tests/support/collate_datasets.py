@@ -339,3 +339,20 @@ class TensorSamplesDataset(Dataset):
 
     def __getitem__(self, i):
         return torch.full((2,), float(i))
+
+
+class DeepDataset(Dataset):
+    """Samples nested `depth` lists deep around (tensor, int): default_collate
+    recurses that deep, and the batch is nested as deep."""
+
+    def __init__(self, depth=300, length=16):
+        self.depth, self.length = depth, length
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, i):
+        sample = [torch.tensor([i, -i]), i]
+        for _ in range(self.depth):
+            sample = [sample]
+        return sample

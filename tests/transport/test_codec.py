@@ -242,6 +242,25 @@ def test_a_chain_of_memo_marks_is_refused_without_deep_recursion():
         _core.decode(crafted)
 
 
+def test_a_batch_nested_deeper_than_the_codec_goes_travels_pickled_below():
+    """Torch's queue pickles a batch, which nests as deep as Python's recursion
+    limit allows; the codec stops at 200 levels (the decoder's bound on hostile
+    input). Deeper containers travel pickled whole, their tensors still out of
+    band: identity across the boundary holds. It raised RecursionError."""
+    t = torch.arange(6.0)
+    deep = [t, "x", {"k": (t, 2)}]
+    for _ in range(400):
+        deep = [deep, 1]
+    out = _core.decode(_core.encode([t, deep]))
+    inner, levels = out[1], 0
+    while isinstance(inner[0], list):
+        assert inner[1] == 1
+        inner, levels = inner[0], levels + 1
+    assert levels == 400
+    assert inner[0] is out[0] and inner[2]["k"][0] is out[0]
+    assert inner[1] == "x" and type(inner[2]["k"]) is tuple and inner[2]["k"][1] == 2
+
+
 def test_a_memo_mark_before_a_reference_is_refused_and_deep_batches_still_decode():
     # every compound node is memo-marked: the mark must not cost a nesting level
     # (the encoder does not count it), and the marked node's tag is read once
