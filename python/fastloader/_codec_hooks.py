@@ -243,12 +243,44 @@ _FD_REDUCERS = {t: ForkingPickler._extra_reducers[t]
                 if t in ForkingPickler._extra_reducers}
 
 
+# A storage in a batch: torch's queue shares it; plain pickle goes through
+# torch.save, whose legacy load fails on an UntypedStorage in torch itself. Its
+# bytes travel through the ring as a uint8 tensor, and the storage arrives as the
+# storage of that tensor (over the slot, as a batch's tensors are).
+def _storage_bytes(storage):
+    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+def _rebuild_untyped_storage(data):
+    return data.untyped_storage()
+
+
+def _rebuild_typed_storage(data, dtype):
+    return torch.TypedStorage(wrap_storage=data.untyped_storage(), dtype=dtype, _internal=True)
+
+
+def _reduce_untyped_storage(storage):
+    if storage.device.type != "cpu":
+        return storage.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+    return _rebuild_untyped_storage, (_storage_bytes(storage),)
+
+
+def _reduce_typed_storage(storage):
+    if storage.device.type != "cpu" or type(storage) is not torch.TypedStorage:
+        return storage.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+    return _rebuild_typed_storage, (_storage_bytes(storage._untyped_storage), storage.dtype)
+
+
+_REDUCERS = {**_FD_REDUCERS, torch.UntypedStorage: _reduce_untyped_storage,
+             torch.TypedStorage: _reduce_typed_storage}
+
+
 def dumps(obj):
     buf = io.BytesIO()
     oob: list = []
     pickler = _OutOfBandPickler(buf, oob)
     # copied per batch, so that a copyreg.pickle() made since is honoured
-    pickler.dispatch_table = {**copyreg.dispatch_table, **_FD_REDUCERS}
+    pickler.dispatch_table = {**copyreg.dispatch_table, **_REDUCERS}
     pickler.dump(obj)
     return buf.getvalue(), oob
 

@@ -5,6 +5,8 @@ The loaders run with batch_size=1 and ``case_collate``: sample i builds the batc
 case CASES[i], deterministically from i, so torch's loader and fastloader's get the
 same objects to carry and every difference comes from the transport.
 """
+import warnings
+
 import numpy as np
 import torch
 from torch.utils.data import Dataset
@@ -102,10 +104,22 @@ def nested_tensors(i):
             "strided": torch.nested.nested_tensor(parts)}
 
 
+def storages(i):
+    # storages themselves in a batch: untyped, typed, and one a tensor also uses
+    t = torch.arange(4.0) + i
+    other = torch.arange(3) + i
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)   # TypedStorage is deprecated
+        typed = other.storage()
+    return {"t": t, "storage_of_t": t.untyped_storage(), "typed": typed,
+            "own": torch.tensor([i, 7], dtype=torch.int16).untyped_storage()}
+
+
 CASES = [
     same_tensor_twice, labels_is_input_ids, view_and_base, views_without_base,
     slices_with_offsets, non_contiguous, expanded, dtype_views, fortran_arrays,
     numpy_views, requires_grad, containers_twice, pickled_object_sharing, nested_tensors,
+    storages,
 ]
 CASE_NAMES = [c.__name__ for c in CASES]
 

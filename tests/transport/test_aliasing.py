@@ -76,6 +76,11 @@ def describe(batch):
         elif isinstance(o, ad.Holder):
             out.append((path, "Holder", o.tag))
             walk(o.t, f"{path}.t")
+        elif isinstance(o, (torch.UntypedStorage, torch.TypedStorage)):
+            u = o if isinstance(o, torch.UntypedStorage) else o._untyped_storage
+            group = storages.setdefault(u._cdata, len(storages))
+            out.append((path, type(o).__name__, str(getattr(o, "dtype", None)), "storage",
+                        group, u.nbytes(), u.device.type, bytes(u.tolist())))
         else:
             out.append((path, type(o).__name__, o))
 
