@@ -266,9 +266,12 @@ def _reduce_untyped_storage(storage):
 
 
 def _reduce_typed_storage(storage):
-    if storage.device.type != "cpu" or type(storage) is not torch.TypedStorage:
+    # only its non-deprecated parts: a TypedStorage's public ones warn, and torch
+    # pickles one inside every tensor subclass it pickles
+    untyped = storage._untyped_storage
+    if untyped.device.type != "cpu" or type(storage) is not torch.TypedStorage:
         return storage.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
-    return _rebuild_typed_storage, (_storage_bytes(storage._untyped_storage), storage.dtype)
+    return _rebuild_typed_storage, (_storage_bytes(untyped), storage.dtype)
 
 
 _REDUCERS = {**_FD_REDUCERS, torch.UntypedStorage: _reduce_untyped_storage,
