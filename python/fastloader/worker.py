@@ -154,12 +154,15 @@ class _Current:
 
 
 def _exit_error(worker_id, seq, index, exc):
-    """The error for a worker leaving its loop by `exc` (not an Exception: a
-    KeyboardInterrupt or GeneratorExit raised by the dataset; SIGINT is ignored
-    here, so it is never the user's Ctrl-C). torch's worker dies of it and its
-    main process raises RuntimeError ("exited unexpectedly"): raising `exc` itself
-    in the main process would look like Ctrl-C there, so it is a WorkerError (a
-    RuntimeError) that names it, with its traceback."""
+    """The error for a worker leaving its loop by `exc`. An Exception is re-raised
+    in the main process as itself. Anything else (a KeyboardInterrupt or
+    GeneratorExit raised by the dataset; SIGINT is ignored here, so it is never
+    the user's Ctrl-C) kills torch's worker, and torch's main process raises
+    RuntimeError ("exited unexpectedly"): raising `exc` itself in the main process
+    would look like Ctrl-C there, so it is a WorkerError (a RuntimeError) that
+    names it, with its traceback."""
+    if isinstance(exc, Exception):
+        return _wrap_exception(worker_id, seq, index)
     try:
         raise _core.WorkerError(
             f"DataLoader worker {worker_id} (pid {os.getpid()}) exited unexpectedly: "
