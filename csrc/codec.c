@@ -86,6 +86,11 @@ struct fl_plan {
     PyObject *keep;
     uint64_t nmemo;
     fl_stab_entry *stab;      /* built by finalise */
+    /* the lists, tuples and dicts being planned, outermost first: one met again
+     * inside itself makes the batch recursive (see fl_plan_build) */
+    PyObject *open[FL_MAX_DEPTH + 2];
+    int nopen;
+    int recursive;
 };
 
 fl_plan *
@@ -97,11 +102,10 @@ fl_plan_new(void)
     return p;
 }
 
-void
-fl_plan_free(fl_plan *p)
+/* Release what a plan holds and make it empty again. */
+static void
+plan_clear(fl_plan *p)
 {
-    if (p == NULL)
-        return;
     for (size_t i = 0; i < p->nops; i++) {
         Py_XDECREF(p->ops[i].obj);
         Py_XDECREF(p->ops[i].descr);
@@ -115,6 +119,15 @@ fl_plan_free(fl_plan *p)
     PyMem_Free(p->stab);
     PyMem_Free(p->ops);
     PyMem_Free(p->stream);
+    memset(p, 0, sizeof(*p));
+}
+
+void
+fl_plan_free(fl_plan *p)
+{
+    if (p == NULL)
+        return;
+    plan_clear(p);
     PyMem_Free(p);
 }
 
@@ -214,6 +227,7 @@ put_array_body(fl_plan *p, int typenum, int ndim, const npy_intp *dims, size_t n
 static int plan_obj(fl_state *st, fl_plan *p, PyObject *o, int depth);
 static int plan_memo(fl_state *st, fl_plan *p, PyObject *o, int depth);
 static int plan_compound(fl_state *st, fl_plan *p, PyObject *o, int depth);
+static int plan_open(fl_state *st, fl_plan *p, PyObject *o, int depth);
 static int plan_pickle(fl_state *st, fl_plan *p, PyObject *o, int depth);
 static int plan_seq(fl_state *st, fl_plan *p, PyObject *o, int depth);
 
@@ -581,8 +595,8 @@ plan_obj(fl_state *st, fl_plan *p, PyObject *o, int depth)
 /* Lists, dicts, tuples, tensors, arrays and pickled objects keep their identity
  * within a batch: the second occurrence of one object is a reference to the first
  * (pickle's memo does the same in torch's transport). Memo indices are given in
- * completion order on both sides; an object met again before it is complete (a
- * recursive structure) is encoded again and hits the depth limit, as before. */
+ * completion order on both sides; a container met again before it is complete (a
+ * recursive structure) makes the batch travel pickled (see plan_open). */
 static int
 plan_memo(fl_state *st, fl_plan *p, PyObject *o, int depth)
 {
@@ -598,7 +612,7 @@ plan_memo(fl_state *st, fl_plan *p, PyObject *o, int depth)
         rc = (put_u8(p, T_REF) < 0 || put_u64(p, PyLong_AsUnsignedLongLong(hit)) < 0) ? -1 : 0;
         goto done;
     }
-    if (PyErr_Occurred() || put_u8(p, T_MEMO) < 0 || plan_compound(st, p, o, depth) < 0)
+    if (PyErr_Occurred() || put_u8(p, T_MEMO) < 0 || plan_open(st, p, o, depth) < 0)
         goto done;
     /* `keep` holds the object so that its address is not reused within the batch */
     PyObject *v = PyLong_FromUnsignedLongLong(p->nmemo);
@@ -611,6 +625,34 @@ plan_memo(fl_state *st, fl_plan *p, PyObject *o, int depth)
     rc = 0;
 done:
     Py_DECREF(key);
+    return rc;
+}
+
+/* plan_compound, keeping the stack of open containers. The memo gives an object
+ * its index only once it is complete, so a container met again inside itself would
+ * be encoded again at every level: that is flagged here, and fl_plan_build pickles
+ * the batch whole instead, as torch's transport does (pickle's memo keeps the
+ * recursion exact). Only lists, tuples and dicts are entered by the codec itself;
+ * a recursion through any other object is inside a pickle, which keeps it. */
+static int
+plan_open(fl_state *st, fl_plan *p, PyObject *o, int depth)
+{
+    if (!(PyList_CheckExact(o) || PyDict_CheckExact(o) || PyTuple_Check(o)))
+        return plan_compound(st, p, o, depth);
+    for (int i = 0; i < p->nopen; i++)
+        if (p->open[i] == o) {
+            p->recursive = 1;
+            PyErr_SetString(PyExc_RecursionError, "fastloader: the batch contains itself");
+            return -1;
+        }
+    if (p->nopen == (int)(sizeof(p->open) / sizeof(p->open[0]))) {
+        /* unreachable: plan_obj's depth bound comes first */
+        PyErr_SetString(PyExc_RecursionError, "fastloader: batch nested too deeply");
+        return -1;
+    }
+    p->open[p->nopen++] = o;
+    int rc = plan_compound(st, p, o, depth);
+    p->nopen--;
     return rc;
 }
 
@@ -741,8 +783,16 @@ plan_finalise(fl_plan *p)
 int
 fl_plan_build(fl_state *st, fl_plan *p, PyObject *batch)
 {
-    if (plan_obj(st, p, batch, 0) < 0)
-        return -1;
+    if (plan_obj(st, p, batch, 0) < 0) {
+        if (!p->recursive)
+            return -1;
+        /* a recursive batch: start again and pickle it whole (its tensors and
+         * arrays still travel out of band) */
+        PyErr_Clear();
+        plan_clear(p);
+        if (plan_pickle(st, p, batch, 0) < 0)
+            return -1;
+    }
     /* the memo's objects are no longer needed: the ops hold what the write reads */
     Py_CLEAR(p->memo);
     Py_CLEAR(p->keep);

@@ -115,11 +115,25 @@ def storages(i):
             "own": torch.tensor([i, 7], dtype=torch.int16).untyped_storage()}
 
 
+def recursive(i):
+    # containers that hold themselves (pickle keeps the recursion exact), through a
+    # list, a dict and a tuple, with a tensor and a view inside the cycle and out
+    t = torch.arange(4.0) + i
+    loop = [t, "x"]
+    loop.append(loop)
+    table = {"t": t[1:]}
+    table["self"] = table
+    holder = []
+    pair = (holder, t)
+    holder.append(pair)
+    return {"loop": loop, "table": table, "pair": pair, "t": t, "again": loop}
+
+
 CASES = [
     same_tensor_twice, labels_is_input_ids, view_and_base, views_without_base,
     slices_with_offsets, non_contiguous, expanded, dtype_views, fortran_arrays,
     numpy_views, requires_grad, containers_twice, pickled_object_sharing, nested_tensors,
-    storages,
+    storages, recursive,
 ]
 CASE_NAMES = [c.__name__ for c in CASES]
 

@@ -157,13 +157,17 @@ def results(ctx, strategy):
 def bytes_outside_ring(batch, segments):
     """Tensors and arrays (also inside pickled objects and nested tensors) whose
     bytes are not inside one of the ring segments: they were copied on arrival."""
-    bad = []
+    bad, seen = [], set()
 
     def check(what, span):
         if span[1] > span[0] and not span_in_segments(span, segments):
             bad.append((what, hex(span[0]), span[1] - span[0]))
 
     def walk(o, path):
+        if isinstance(o, (list, dict, tuple)):
+            if id(o) in seen:   # a batch may hold itself (the recursive case)
+                return
+            seen.add(id(o))
         if isinstance(o, torch.Tensor):
             if o.is_nested:
                 parts = [o.values(), o.offsets()] if o.layout == torch.jagged else o.unbind()

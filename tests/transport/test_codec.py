@@ -261,6 +261,30 @@ def test_a_batch_nested_deeper_than_the_codec_goes_travels_pickled_below():
     assert inner[1] == "x" and type(inner[2]["k"]) is tuple and inner[2]["k"][1] == 2
 
 
+def test_a_batch_that_contains_itself_keeps_its_recursion_exact():
+    """torch's queue pickles a batch, and pickle's memo keeps a recursive container
+    one object; the codec gave a list that holds itself ~196 distinct copies of its
+    outer levels. Now such a batch travels pickled whole, with its tensors still
+    out of band (each once) and identity across the batch kept."""
+    t = torch.arange(1 << 16, dtype=torch.float32)
+    loop = [t, "x"]
+    loop.append(loop)
+    table = {"view": t[8:]}
+    table["self"] = table
+    holder = []
+    pair = (holder, t)
+    holder.append(pair)
+    batch = {"loop": loop, "table": table, "pair": pair, "t": t}
+    blob = _core.encode(batch)
+    assert len(blob) < t.nbytes + 4096            # the tensor's bytes once, not pickled
+    out = _core.decode(blob)
+    assert out["loop"][2] is out["loop"] and out["loop"][0] is out["t"]
+    assert out["table"]["self"] is out["table"]
+    assert out["table"]["view"].untyped_storage().data_ptr() == out["t"].data_ptr()
+    assert out["pair"][0][0] is out["pair"] and out["pair"][1] is out["t"]
+    assert torch.equal(out["t"], t) and torch.equal(out["table"]["view"], t[8:])
+
+
 def test_a_memo_mark_before_a_reference_is_refused_and_deep_batches_still_decode():
     # every compound node is memo-marked: the mark must not cost a nesting level
     # (the encoder does not count it), and the marked node's tag is read once
