@@ -478,12 +478,43 @@ fail:
     return -1;
 }
 
+/* The ids of the open containers around `o` (not `o` itself), or NULL with no
+ * exception when there are none. */
+static PyObject *
+enclosing_ids(fl_plan *p, PyObject *o)
+{
+    PyObject *ids = NULL;
+    for (int i = 0; i < p->nopen; i++) {
+        if (p->open[i] == o)
+            continue;
+        if (ids == NULL && (ids = PySet_New(NULL)) == NULL)
+            return NULL;
+        PyObject *key = PyLong_FromVoidPtr(p->open[i]);
+        if (key == NULL || PySet_Add(ids, key) < 0) {
+            Py_XDECREF(key);
+            Py_DECREF(ids);
+            return NULL;
+        }
+        Py_DECREF(key);
+    }
+    return ids;
+}
+
 static int
 plan_pickle(fl_state *st, fl_plan *p, PyObject *o, int depth)
 {
-    /* hook_dumps: obj -> (bytes, [tensors and arrays moved out of band]) */
-    PyObject *r = PyObject_CallOneArg(st->hook_dumps, o);
+    /* hook_dumps: (obj, enclosing ids) -> (bytes, [tensors and arrays moved out of
+     * band]); it raises a RecursionError if the object reaches back to a container
+     * around it (a recursion through a pickled object, see plan_open) */
+    PyObject *enclosing = enclosing_ids(p, o);
+    if (enclosing == NULL && PyErr_Occurred())
+        return -1;
+    PyObject *r = enclosing ? PyObject_CallFunctionObjArgs(st->hook_dumps, o, enclosing, NULL)
+                            : PyObject_CallOneArg(st->hook_dumps, o);
     PyObject *data, *oob;
+    if (r == NULL && enclosing != NULL && PyErr_ExceptionMatches(PyExc_RecursionError))
+        p->recursive = 1;
+    Py_XDECREF(enclosing);
     if (r == NULL)
         return -1;
     if (!PyArg_ParseTuple(r, "O!O!", &PyBytes_Type, &data, &PyList_Type, &oob)) {
@@ -633,7 +664,9 @@ done:
  * be encoded again at every level: that is flagged here, and fl_plan_build pickles
  * the batch whole instead, as torch's transport does (pickle's memo keeps the
  * recursion exact). Only lists, tuples and dicts are entered by the codec itself;
- * a recursion through any other object is inside a pickle, which keeps it. */
+ * a recursion through an object that is pickled (a custom class, a dict key, an
+ * OrderedDict, a container cut at FL_PICKLE_DEPTH) is caught by the pickler, which
+ * gets the ids of the open containers (plan_pickle). */
 static int
 plan_open(fl_state *st, fl_plan *p, PyObject *o, int depth)
 {
@@ -669,8 +702,11 @@ plan_compound(fl_state *st, fl_plan *p, PyObject *o, int depth)
         if (Py_EnterRecursiveCall(" while encoding a batch"))
             return -1;
         if (tp == &PyList_Type) {
-            /* a list can change under us only through user code we call; copy it */
-            PyObject *snap = PySequence_Fast(o, "list");
+            /* a list can change under us only through user code we call (a
+             * __reduce__ that clears it): plan a copy, which also keeps every item,
+             * and so every open container below, alive (PySequence_Fast would
+             * return the list itself) */
+            PyObject *snap = PyList_GetSlice(o, 0, PY_SSIZE_T_MAX);
             rc = snap ? plan_seq(st, p, snap, depth) : -1;
             Py_XDECREF(snap);
         }
@@ -784,7 +820,7 @@ int
 fl_plan_build(fl_state *st, fl_plan *p, PyObject *batch)
 {
     if (plan_obj(st, p, batch, 0) < 0) {
-        if (!p->recursive)
+        if (!p->recursive || !PyErr_ExceptionMatches(PyExc_RecursionError))
             return -1;
         /* a recursive batch: start again and pickle it whole (its tensors and
          * arrays still travel out of band) */

@@ -200,15 +200,26 @@ def fill_stack(s, dest):
         raise
 
 
+class BatchContainsItself(RecursionError):
+    """Raised while pickling one element of a batch that reaches back to a container
+    the codec is still encoding around it: the codec then pickles the batch whole
+    (codec.c, fl_plan_build), so that the recursion arrives exact."""
+
+
 class _OutOfBandPickler(pickle.Pickler):
     """Pickles anything, but leaves plain tensors and arrays to the ring."""
 
-    def __init__(self, file, oob):
+    def __init__(self, file, oob, enclosing=None):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self._oob = oob
         self._seen = {}
+        # ids of the containers the codec is encoding around this object (alive
+        # while it pickles, so an id cannot be another object's)
+        self._enclosing = enclosing
 
     def persistent_id(self, obj):
+        if self._enclosing is not None and id(obj) in self._enclosing:
+            raise BatchContainsItself("fastloader: the batch contains itself")
         # DeferredStack: a collated batch inside a container the codec does not
         # know (an OrderedDict, a custom Mapping) is still stacked into the slot.
         if type(obj) is DeferredStack or exportable(obj) or (
@@ -278,10 +289,10 @@ _REDUCERS = {**_FD_REDUCERS, torch.UntypedStorage: _reduce_untyped_storage,
              torch.TypedStorage: _reduce_typed_storage}
 
 
-def dumps(obj):
+def dumps(obj, enclosing=None):
     buf = io.BytesIO()
     oob: list = []
-    pickler = _OutOfBandPickler(buf, oob)
+    pickler = _OutOfBandPickler(buf, oob, enclosing)
     # copied per batch, so that a copyreg.pickle() made since is honoured
     pickler.dispatch_table = {**copyreg.dispatch_table, **_REDUCERS}
     pickler.dump(obj)

@@ -285,6 +285,83 @@ def test_a_batch_that_contains_itself_keeps_its_recursion_exact():
     assert torch.equal(out["t"], t) and torch.equal(out["table"]["view"], t[8:])
 
 
+class Box:
+    """A pickled object (the codec does not know it) that refers back to its batch."""
+
+    def __init__(self, ref=None):
+        self.ref = ref
+
+
+class ListSubclass(list):
+    pass
+
+
+def _through_an_object():
+    batch = [torch.ones(2)]
+    batch.append(Box(batch))
+    return batch, lambda out: out[1].ref is out
+
+
+def _through_an_ordered_dict():
+    batch = {"t": torch.ones(2)}
+    batch["od"] = collections.OrderedDict(back=batch)
+    return batch, lambda out: out["od"]["back"] is out
+
+
+def _through_a_list_subclass():
+    batch = [torch.ones(2)]
+    batch.append(ListSubclass([batch]))
+    return batch, lambda out: out[1][0] is out
+
+
+def _longer_than_the_codec_goes():
+    batch = [torch.ones(2)]
+    node = batch
+    for i in range(250):
+        node.append([i])
+        node = node[-1]
+    node.append(batch)
+
+    def check(out):
+        node = out
+        for _ in range(251):
+            node = node[-1]
+        return node is out
+    return batch, check
+
+
+@pytest.mark.parametrize("make", [_through_an_object, _through_an_ordered_dict,
+                                  _through_a_list_subclass, _longer_than_the_codec_goes],
+                         ids=lambda f: f.__name__.strip("_"))
+def test_a_recursion_through_a_pickled_part_stays_exact(make):
+    """The codec pickles what it does not know (and containers below its depth); a
+    pickle that reaches back to a container around it carried its own copy of that
+    container. Now the batch is pickled whole, as torch's queue pickles it."""
+    batch, same = make()
+    out = _core.decode(_core.encode(batch))
+    assert same(out)
+
+
+def test_a_list_cleared_while_it_is_encoded_does_not_crash_the_worker():
+    """An element's __reduce__ (user code the codec calls) that empties the list being
+    encoded freed the items the codec was reading: a segfault."""
+    code = (
+        "import fastloader\n"
+        "from fastloader import _core\n"
+        "batch = []\n"
+        "class Clears:\n"
+        "    def __reduce__(self):\n"
+        "        batch.clear()\n"
+        "        return (int, (0,))\n"
+        "batch.extend([Clears()] + [[i] * 3 for i in range(50)])\n"
+        "out = _core.decode(_core.encode(batch))\n"
+        "print(len(out), out[:2])\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
+    assert run.stdout.strip() == "51 [0, [0, 0, 0]]"
+
+
 def test_a_memo_mark_before_a_reference_is_refused_and_deep_batches_still_decode():
     # every compound node is memo-marked: the mark must not cost a nesting level
     # (the encoder does not count it), and the marked node's tag is read once
