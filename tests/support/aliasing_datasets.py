@@ -115,18 +115,26 @@ def storages(i):
             "own": torch.tensor([i, 7], dtype=torch.int16).untyped_storage()}
 
 
-def recursive(i):
-    # containers that hold themselves (pickle keeps the recursion exact), through a
-    # list, a dict and a tuple, with a tensor and a view inside the cycle and out
-    t = torch.arange(4.0) + i
+def containers_holding_themselves(t, view):
+    """A list, a dict and a tuple (through a list) that each hold themselves, with
+    `t` and `view` inside the cycles (pickle keeps such a recursion exact). Shared
+    with the codec's own test (tests/transport/test_codec.py)."""
     loop = [t, "x"]
     loop.append(loop)
-    table = {"t": t[1:]}
+    table = {"view": view}
     table["self"] = table
     holder = []
     pair = (holder, t)
     holder.append(pair)
-    return {"loop": loop, "table": table, "pair": pair, "t": t, "again": loop}
+    return {"loop": loop, "table": table, "pair": pair, "t": t}
+
+
+def recursive(i):
+    # the cycles through a list, a dict and a tuple, one of them twice in the batch
+    t = torch.arange(4.0) + i
+    batch = containers_holding_themselves(t, t[1:])
+    batch["again"] = batch["loop"]
+    return batch
 
 
 CASES = [

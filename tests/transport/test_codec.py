@@ -15,6 +15,7 @@ import torch
 import fastloader  # noqa: F401  (registers the codec hooks)
 from fastloader import _core
 from fastloader._codec_hooks import DeferredStack, CODE
+from tests.support.aliasing_datasets import containers_holding_themselves
 
 Point = collections.namedtuple("Point", "x y")
 
@@ -267,14 +268,7 @@ def test_a_batch_that_contains_itself_keeps_its_recursion_exact():
     outer levels. Now such a batch travels pickled whole, with its tensors still
     out of band (each once) and identity across the batch kept."""
     t = torch.arange(1 << 16, dtype=torch.float32)
-    loop = [t, "x"]
-    loop.append(loop)
-    table = {"view": t[8:]}
-    table["self"] = table
-    holder = []
-    pair = (holder, t)
-    holder.append(pair)
-    batch = {"loop": loop, "table": table, "pair": pair, "t": t}
+    batch = containers_holding_themselves(t, t[8:])
     blob = _core.encode(batch)
     assert len(blob) < t.nbytes + 4096            # the tensor's bytes once, not pickled
     out = _core.decode(blob)
