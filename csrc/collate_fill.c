@@ -80,10 +80,15 @@ kind_of(PyObject *seq)
         PyArrayObject *first = (PyArrayObject *)items[0];
         if (!numeric_native(first) || !strides_torch_accepts(first))
             return FL_COL_OTHER;
-        for (Py_ssize_t i = 1; i < n; i++)
+        /* told apart because torch.as_tensor warns (once per process) about an
+         * array that is not writable, and the collate must too */
+        int readonly = !PyArray_ISWRITEABLE(first);
+        for (Py_ssize_t i = 1; i < n; i++) {
             if (!same_array_layout((PyArrayObject *)items[i], first))
                 return FL_COL_OTHER;
-        return FL_COL_ARRAY;
+            readonly |= !PyArray_ISWRITEABLE((PyArrayObject *)items[i]);
+        }
+        return readonly ? FL_COL_ARRAY_READONLY : FL_COL_ARRAY;
     }
     return FL_COL_OTHER;
 }
@@ -91,7 +96,8 @@ kind_of(PyObject *seq)
 PyDoc_STRVAR(column_kind_doc,
 "column_kind(samples)\n--\n\nReturns int.\n"
 "Which C fill can collate this column exactly as torch's default_collate does:\n"
-"1 int64, 2 float64, 3 bool, 4 same-shape numeric arrays, 0 none (torch's path).");
+"1 int64, 2 float64, 3 bool, 4 same-shape numeric arrays, 5 the same with at least\n"
+"one array not writable, 0 none (torch's path).");
 
 static PyObject *
 column_kind(PyObject *module, PyObject *arg)
@@ -123,6 +129,8 @@ fill(PyObject *seq, PyArrayObject *dest)
     int kind = kind_of(seq);
     if (kind <= 0)
         return kind < 0 ? -1 : fill_error("the column changed since it was checked");
+    if (kind == FL_COL_ARRAY_READONLY)   /* the warning is the collate's, not the fill's */
+        kind = FL_COL_ARRAY;
     if (!PyArray_IS_C_CONTIGUOUS(dest) || !PyArray_ISWRITEABLE(dest))
         return fill_error("destination is not a writable C-contiguous array");
     size_t cap = (size_t)PyArray_NBYTES(dest);

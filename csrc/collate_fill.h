@@ -13,6 +13,7 @@ enum {
     FL_COL_FLOAT64 = 2, /* exact floats -> torch.float64 */
     FL_COL_BOOL = 3,    /* exact bools -> torch.bool */
     FL_COL_ARRAY = 4,   /* exact ndarrays, one numeric native dtype, one shape */
+    FL_COL_ARRAY_READONLY = 5, /* FL_COL_ARRAY, and some array is not writable */
 };
 
 int fl_collate_fill_init(PyObject *module);

@@ -14,7 +14,7 @@ from ._codec_hooks import (CODE, COLUMN, COPY, STACK, DeferredStack, exportable,
 from .collated import CollatedSamples, _is_namedtuple
 
 # _core.column_kind() results (csrc/collate_fill.h)
-_COL_OTHER, _COL_INT64, _COL_FLOAT64, _COL_BOOL, _COL_ARRAY = range(5)
+_COL_OTHER, _COL_INT64, _COL_FLOAT64, _COL_BOOL, _COL_ARRAY, _COL_ARRAY_READONLY = range(6)
 _NUMBER_CODE = {_COL_INT64: CODE[torch.int64], _COL_FLOAT64: CODE[torch.float64],
                 _COL_BOOL: CODE[torch.bool]}
 # NumPy dtype -> dtype code of the tensor default_collate makes of it. Only dtypes
@@ -57,11 +57,36 @@ def _stack_into_slot(batch, *, collate_fn_map=None):
     return _tc.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
 
 
+# Whether this process has let torch warn about an array that is not writable.
+_readonly_warned = False
+
+
+def _warn_as_torch_about_readonly(batch):
+    """torch.as_tensor, called by torch's collate on every array, warns once per
+    process about one that is not writable. The C fill never calls it, so torch's
+    own function is run on the first such array (its warning, its text and where it
+    points); the column is still filled by C."""
+    global _readonly_warned
+    _readonly_warned = True
+    first = next(a for a in batch if not a.flags.writeable)
+    # a map that drops the tensor: torch's tensor function would stack it into
+    # a new shared-memory segment, in a worker
+    _tc.collate_numpy_array_fn([first], collate_fn_map={torch.Tensor: _drop})
+
+
+def _drop(batch, *, collate_fn_map=None):
+    return None
+
+
 def _column_into_slot(torch_fn):
     """Numbers and same-shape arrays: filled by C when the result is certain, else
     torch's own function for that type (its result, its errors)."""
     def collate_column(batch, *, collate_fn_map=None):
         kind = _core.column_kind(batch)
+        if kind == _COL_ARRAY_READONLY:
+            if not _readonly_warned:
+                _warn_as_torch_about_readonly(batch)
+            kind = _COL_ARRAY
         if kind == _COL_ARRAY:
             elem = batch[0]
             code = _ARRAY_CODE.get(elem.dtype)

@@ -5,6 +5,9 @@ custom collate_fns still get what torch gives them."""
 import collections
 import gc
 import numbers
+import subprocess
+import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -134,6 +137,45 @@ def test_column_kind_and_fill_column_refuse_mismatches():
         _core.fill_column([1, True], dest)       # not a column the fill may take
     with pytest.raises(ValueError):
         _core.fill_column([1, 2], dest[::2])     # not contiguous
+
+
+_NOT_WRITABLE = "The given NumPy array is not writable"
+
+
+def _warnings_of_an_epoch(loader_module, context):
+    """(stdout, the not-writable warning lines) of a fresh process that runs one
+    epoch of ReadOnlyArraysDataset with 2 workers: torch warns once per process, so
+    it must be a process of its own."""
+    code = (f"from {loader_module} import DataLoader\n"
+            "from tests.support.collate_datasets import ReadOnlyArraysDataset\n"
+            "loader = DataLoader(ReadOnlyArraysDataset(), batch_size=8, num_workers=2,\n"
+            f"                    multiprocessing_context={context!r})\n"
+            "print([float(rows.sum()) for rows, _ in loader])\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run.stdout, [line for line in run.stderr.splitlines() if _NOT_WRITABLE in line]
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_an_array_that_is_not_writable_warns_in_every_worker_as_with_torch(context):
+    """The C fill never calls torch.as_tensor, so torch's warning (once per worker
+    process, pointing into torch's collate) was lost."""
+    torch_run = _warnings_of_an_epoch("torch.utils.data", context)
+    assert len(torch_run[1]) == 2, torch_run
+    assert _warnings_of_an_epoch("fastloader", context) == torch_run
+
+
+def test_a_column_with_an_array_that_is_not_writable_is_still_filled_by_c():
+    samples = [cd.ReadOnlyArraysDataset()[i] for i in range(8)]
+    assert _core.column_kind([rows for rows, _ in samples]) == 5
+    assert _core.column_kind([rows for rows, _ in samples[:3]]) == 4
+    with warnings.catch_warnings():   # checked per process, above
+        warnings.filterwarnings("ignore", message=_NOT_WRITABLE)
+        out = slot_collate(samples)
+        assert out[0].how == COLUMN
+        assert_identical(default_collate(samples), _core.decode(_core.encode(out)))
+        both(cd.ReadOnlyArraysDataset(), **WORKERS)
 
 
 # ---- plain tuple samples, transposed in C --------------------------------------------

@@ -331,6 +331,20 @@ class ArrayRowsDataset(Dataset):
         return CollatedSamples((index.astype(np.float64) / 4, torch.from_numpy(index * 1.0)))
 
 
+class ReadOnlyArraysDataset(Dataset):
+    """float32 rows and an int label; from sample 3 on the rows are not writable
+    (as arrays over a read-only np.memmap or bytes are), which torch.as_tensor
+    warns about once per process."""
+
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, i):
+        row = np.arange(4, dtype=np.float32) + i
+        row.setflags(write=i < 3)
+        return row, i
+
+
 class TensorSamplesDataset(Dataset):
     """One tensor per sample: collate() finds its type in the map at once."""
 
