@@ -68,10 +68,11 @@ def _warn_as_torch_about_readonly(batch):
     points); the column is still filled by C."""
     global _readonly_warned
     _readonly_warned = True
-    first = next(a for a in batch if not a.flags.writeable)
-    # a map that drops the tensor: torch's tensor function would stack it into
-    # a new shared-memory segment, in a worker
-    _tc.collate_numpy_array_fn([first], collate_fn_map={torch.Tensor: _drop})
+    first = next((a for a in batch if not a.flags.writeable), None)
+    if first is not None:   # None: another thread made it writable since
+        # a map that drops the tensor: torch's tensor function would stack it
+        # into a new shared-memory segment, in a worker
+        _tc.collate_numpy_array_fn([first], collate_fn_map={torch.Tensor: _drop})
 
 
 def _drop(batch, *, collate_fn_map=None):
