@@ -61,18 +61,22 @@ def _stack_into_slot(batch, *, collate_fn_map=None):
 _readonly_warned = False
 
 
-def _warn_as_torch_about_readonly(batch):
+def _warn_as_torch_about_readonly(arrays):
     """torch.as_tensor, called by torch's collate on every array, warns once per
     process about one that is not writable. The C fill never calls it, so torch's
     own function is run on the first such array (its warning, its text and where it
     points); the column is still filled by C."""
     global _readonly_warned
+    first = next((a for a in arrays if not a.flags.writeable), None)
+    if first is None:   # another thread made it writable since
+        return
+    # torch would have stopped at a failing stack before it reached this column
+    _raise_first_stack_error()
+    # before the call: torch's once is spent even if a filter makes it an error
     _readonly_warned = True
-    first = next((a for a in batch if not a.flags.writeable), None)
-    if first is not None:   # None: another thread made it writable since
-        # a map that drops the tensor: torch's tensor function would stack it
-        # into a new shared-memory segment, in a worker
-        _tc.collate_numpy_array_fn([first], collate_fn_map={torch.Tensor: _drop})
+    # a map that drops the tensor: torch's tensor function would stack it into a
+    # new shared-memory segment, in a worker
+    _tc.collate_numpy_array_fn([first], collate_fn_map={torch.Tensor: _drop})
 
 
 def _drop(batch, *, collate_fn_map=None):
@@ -187,6 +191,10 @@ def _collated_leaf(node):
         code = _ARRAY_CODE.get(node.dtype)
         if code is None or not node.dtype.isnative:
             return None
+        # torch collates the rows: arrays (which torch.as_tensor warns about) if
+        # the node has 2 dimensions or more, NumPy scalars otherwise
+        if node.ndim >= 2 and len(node) and not _readonly_warned and not node.flags.writeable:
+            _warn_as_torch_about_readonly([node[0]])
         # one "sample" the size of the whole column: fill_column copies it, strided or not
         return DeferredStack([node], node.shape, code, COLUMN)
     if (exportable(node) and not node.requires_grad and not node.is_conj()

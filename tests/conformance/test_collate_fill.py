@@ -142,15 +142,19 @@ def test_column_kind_and_fill_column_refuse_mismatches():
 _NOT_WRITABLE = "The given NumPy array is not writable"
 
 
-def _warnings_of_an_epoch(loader_module, context):
+def _warnings_of_an_epoch(loader_module, context, dataset="ReadOnlyArraysDataset"):
     """(stdout, the not-writable warning lines) of a fresh process that runs one
-    epoch of ReadOnlyArraysDataset with 2 workers: torch warns once per process, so
-    it must be a process of its own."""
+    epoch of `dataset` with 2 workers: torch warns once per process, so it must be
+    a process of its own. stdout: the batches' sums, or the error's type and last
+    line (fastloader's first line also names the batch)."""
     code = (f"from {loader_module} import DataLoader\n"
-            "from tests.support.collate_datasets import ReadOnlyArraysDataset\n"
-            "loader = DataLoader(ReadOnlyArraysDataset(), batch_size=8, num_workers=2,\n"
+            f"from tests.support.collate_datasets import {dataset} as Dataset\n"
+            "loader = DataLoader(Dataset(), batch_size=8, num_workers=2,\n"
             f"                    multiprocessing_context={context!r})\n"
-            "print([float(rows.sum()) for rows, _ in loader])\n")
+            "try:\n"
+            "    print([[float(column.sum()) for column in batch] for batch in loader])\n"
+            "except Exception as error:\n"
+            "    print(type(error).__name__, str(error).strip().splitlines()[-1])\n")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -164,6 +168,25 @@ def test_an_array_that_is_not_writable_warns_in_every_worker_as_with_torch(conte
     torch_run = _warnings_of_an_epoch("torch.utils.data", context)
     assert len(torch_run[1]) == 2, torch_run
     assert _warnings_of_an_epoch("fastloader", context) == torch_run
+
+
+@pytest.mark.parametrize("dataset, warnings_per_run", [
+    ("ReadOnlyCollatedDataset", 2),       # rows of a collated batch: once per worker
+    ("ReadOnlyAfterBadStackDataset", 0),  # torch stops at the stack error first
+])
+def test_the_not_writable_warning_comes_where_torchs_does(dataset, warnings_per_run):
+    torch_run = _warnings_of_an_epoch("torch.utils.data", "fork", dataset)
+    assert len(torch_run[1]) == warnings_per_run, torch_run
+    assert _warnings_of_an_epoch("fastloader", "fork", dataset) == torch_run
+
+
+def test_the_warning_is_not_spent_on_an_array_made_writable_meanwhile(monkeypatch):
+    """column_kind saw a read-only array that another thread made writable before
+    the collate looked for it: nothing is warned, and the next one still warns."""
+    from fastloader import collate
+    monkeypatch.setattr(collate, "_readonly_warned", False)
+    collate._warn_as_torch_about_readonly([np.zeros(2)])
+    assert collate._readonly_warned is False
 
 
 def test_a_column_with_an_array_that_is_not_writable_is_still_filled_by_c():

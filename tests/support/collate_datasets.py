@@ -345,6 +345,31 @@ class ReadOnlyArraysDataset(Dataset):
         return row, i
 
 
+class ReadOnlyCollatedDataset(ReadOnlyArraysDataset):
+    """The same samples, also through __getitems__ as one CollatedSamples batch
+    whose 2-D array of rows is not writable: torch collates its rows, arrays that
+    torch.as_tensor warns about."""
+
+    def __getitems__(self, indices):
+        rows = np.arange(4, dtype=np.float32) + np.asarray(indices, dtype=np.float32)[:, None]
+        rows.setflags(write=False)
+        return CollatedSamples((rows, torch.tensor(indices)))
+
+
+class ReadOnlyAfterBadStackDataset(Dataset):
+    """(a tensor whose length varies, a row that is not writable): torch's collate
+    stops at the tensors' stack error before it reaches the rows, so it never
+    warns about them."""
+
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, i):
+        row = np.arange(4, dtype=np.float32) + i
+        row.setflags(write=False)
+        return torch.zeros(1 + i % 2), row
+
+
 class TensorSamplesDataset(Dataset):
     """One tensor per sample: collate() finds its type in the map at once."""
 
