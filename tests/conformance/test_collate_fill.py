@@ -5,8 +5,6 @@ custom collate_fns still get what torch gives them."""
 import collections
 import gc
 import numbers
-import subprocess
-import sys
 import warnings
 
 import numpy as np
@@ -22,7 +20,7 @@ from fastloader._codec_hooks import COLUMN, COPY, GATHER, DeferredStack
 from fastloader.batch_fetch import _tensor_dataset_batch
 from fastloader.collate import slot_collate
 from tests.support import collate_datasets as cd
-from tests.support.helpers import assert_same_batches, clone_batch, collect
+from tests.support.helpers import assert_same_batches, clone_batch, collect, run_python
 
 TorchLoader = torch.utils.data.DataLoader
 FastLoader = fastloader.DataLoader
@@ -155,9 +153,7 @@ def _warnings_of_an_epoch(loader_module, context, dataset="ReadOnlyArraysDataset
             "    print([[float(column.sum()) for column in batch] for batch in loader])\n"
             "except Exception as error:\n"
             "    print(type(error).__name__, str(error).strip().splitlines()[-1])\n")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
+    run = run_python(code, timeout=300)
     return run.stdout, [line for line in run.stderr.splitlines() if _NOT_WRITABLE in line]
 
 

@@ -16,6 +16,7 @@ import fastloader  # noqa: F401  (registers the codec hooks)
 from fastloader import _core
 from fastloader._codec_hooks import DeferredStack, CODE
 from tests.support.aliasing_datasets import containers_holding_themselves
+from tests.support.helpers import run_python
 
 Point = collections.namedtuple("Point", "x y")
 
@@ -350,10 +351,7 @@ def test_a_list_cleared_while_it_is_encoded_does_not_crash_the_worker():
         "batch.extend([Clears()] + [[i] * 3 for i in range(50)])\n"
         "out = _core.decode(_core.encode(batch))\n"
         "print(len(out), out[:2])\n")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120)
-    assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
-    assert run.stdout.strip() == "51 [0, [0, 0, 0]]"
+    assert run_python(code, timeout=120).stdout.strip() == "51 [0, [0, 0, 0]]"
 
 
 def test_a_memo_mark_before_a_reference_is_refused_and_deep_batches_still_decode():
