@@ -25,15 +25,6 @@ SHM_GLOB = f"/dev/shm/{NAME_ROOT}-*"
 
 # ---- comparing batches --------------------------------------------------------------
 
-def run_python(code, timeout):
-    """Run `code` in a fresh interpreter (this one's environment); its finished
-    process (text output), which must have exited 0."""
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=timeout)
-    assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
-    return run
-
-
 def assert_same_batches(a, b, path="batch", exact=()):
     """Assert that two (nested) values are identical: same types at every level
     (``type(x) is type(y)``, so namedtuple vs tuple or np.float64 vs float count),
@@ -196,6 +187,15 @@ def collect(loader, seconds=60, what="loader"):
 
 
 # ---- processes, fds, mappings, /dev/shm -------------------------------------------
+
+def run_python(code, timeout):
+    """Run `code` in a fresh interpreter (this one's environment); its finished
+    process (text output), which must have exited 0."""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=timeout)
+    assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
+    return run
+
 
 _HELPER_MARKERS = ("multiprocessing.forkserver", "multiprocessing.resource_tracker",
                    "multiprocessing.semaphore_tracker")
