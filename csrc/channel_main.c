@@ -110,6 +110,24 @@ task_room(MainChannelObject *c, uint64_t payload_len, uint8_t **p)
     return code;
 }
 
+/* The largest task ring: a padding record's 32-bit length spans up to all of it. */
+#define FL_TASK_CAP_MAX ((unsigned long long)1 << 30)
+
+/* Whether this kernel populates (and so reserves) shared pages on request
+ * (MADV_POPULATE_WRITE, Linux 5.14), probed once on a page of our own. */
+static int
+populate_write_works(void)
+{
+    static int cached = -1;
+    if (cached < 0) {
+        void *p = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+        cached = p != MAP_FAILED && madvise(p, 4096, MADV_POPULATE_WRITE) == 0;
+        if (p != MAP_FAILED)
+            munmap(p, 4096);
+    }
+    return cached;
+}
+
 static uint64_t
 next_pow2(uint64_t v)
 {
@@ -123,15 +141,15 @@ static PyObject *
 mainchan_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"worker_id", "strategy", "prefix", "task_capacity",
-                             "result_capacity", NULL};
+                             "result_capacity", "task_window", NULL};
     int wid, strategy;
     const char *prefix;
-    unsigned long long task_cap;
+    unsigned long long task_cap, task_window = 0;
     unsigned int res_cap;
     int err = 0, code = FL_OK;
     const char *what = "creating the control block";
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iisKI", kwlist, &wid, &strategy, &prefix,
-                                     &task_cap, &res_cap))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iisKI|K", kwlist, &wid, &strategy, &prefix,
+                                     &task_cap, &res_cap, &task_window))
         return NULL;
     if (strlen(prefix) >= 180) {
         PyErr_SetString(PyExc_ValueError, "fastloader: segment prefix too long");
@@ -147,28 +165,49 @@ mainchan_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     c->watch = 1;
     snprintf(c->prefix, sizeof(c->prefix), "%s-w%d", prefix, wid);
 
-    task_cap = next_pow2(task_cap < 4096 ? 4096 : task_cap);
+    /* a padding record's length is 32-bit */
+    task_cap = next_pow2(task_cap < 4096 ? 4096 : task_cap > FL_TASK_CAP_MAX ? FL_TASK_CAP_MAX
+                                                                            : task_cap);
+    task_window = task_window == 0                  ? task_cap
+                  : task_window > FL_TASK_CAP_MAX ? FL_TASK_CAP_MAX
+                                                  : next_pow2(task_window < 4096 ? 4096 : task_window);
+    /* Beyond its window the ring is only address space while its pages can be
+     * reserved as records first reach them; where they cannot, the whole ring
+     * is reserved below, so it is no larger than the window. */
+    if (task_window > task_cap || !populate_write_works())
+        task_cap = task_window;
     res_cap = (uint32_t)next_pow2(res_cap < 8 ? 8 : res_cap);
     uint32_t free_cap = 4096;
-    c->ctl_size = fl_ctl_layout(task_cap, res_cap, free_cap);
-    /* reserved now: the header, the result and free rings and the task ring's first
-     * chunk (a full /dev/shm is a MemoryError here, not a SIGBUS when they are first
-     * written); the rest of the task ring as tasks reach it (reserve_tasks) */
-    size_t upfront = reserve_target(c, fl_ctl_task_off(res_cap, free_cap) + FL_TASK_CHUNK);
     char ctl_what[96];
-    snprintf(ctl_what, sizeof(ctl_what), "creating a %zu-byte control block", c->ctl_size);
-    what = ctl_what;
+    size_t upfront;
     if (fl_fork_guard_install() < 0)
         goto fail_py;
-    if (strategy == FL_STRATEGY_FS) {
-        fl_shm_ident ident = {0, 0, 0};
-        code = fl_shm_create_unique(c->prefix, 'c', 0, c->ctl_size, upfront, c->ctl_name, &ident,
-                                    &c->ctl_fd, &err);
-        c->ctl_dev = ident.dev;
-        c->ctl_ino = ident.ino;
-    }
-    else {
-        code = fl_shm_create(NULL, c->ctl_size, upfront, &c->ctl_fd, &err);
+    for (;;) {
+        c->ctl_size = fl_ctl_layout(task_cap, res_cap, free_cap);
+        /* reserved now: the header, the result and free rings and the task ring's
+         * first chunk (a full /dev/shm is a MemoryError here, not a SIGBUS when they
+         * are first written); the rest of the task ring as tasks reach it
+         * (reserve_tasks) */
+        upfront = reserve_target(c, fl_ctl_task_off(res_cap, free_cap) + FL_TASK_CHUNK);
+        snprintf(ctl_what, sizeof(ctl_what), "creating a %zu-byte control block", c->ctl_size);
+        what = ctl_what;
+        if (strategy == FL_STRATEGY_FS) {
+            fl_shm_ident ident = {0, 0, 0};
+            code = fl_shm_create_unique(c->prefix, 'c', 0, c->ctl_size, upfront, c->ctl_name,
+                                        &ident, &c->ctl_fd, &err);
+            c->ctl_dev = ident.dev;
+            c->ctl_ino = ident.ino;
+        }
+        else {
+            code = fl_shm_create(NULL, c->ctl_size, upfront, &c->ctl_fd, &err);
+        }
+        /* a file-size limit (RLIMIT_FSIZE) below the ring's address space: the
+         * ring is its window alone, as where pages cannot be reserved lazily */
+        if (code == FL_ERRNO && err == EFBIG && task_cap > task_window) {
+            task_cap = task_window;
+            continue;
+        }
+        break;
     }
     if (code != FL_OK) {
         fl_raise_path(code, err, what, c->ctl_name[0] ? c->ctl_name : NULL);
@@ -190,7 +229,7 @@ mainchan_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
             goto fail;
         c->ctl_reserved = c->ctl_size;
     }
-    fl_ctl_init(&c->ring, c->ctl, (uint32_t)wid, task_cap, res_cap, free_cap);
+    fl_ctl_init(&c->ring, c->ctl, (uint32_t)wid, task_cap, task_window, res_cap, free_cap);
     if (strategy == FL_STRATEGY_FS)
         close_fd(&c->ctl_fd);   /* the worker opens it by name */
 
@@ -459,45 +498,75 @@ mainchan_put_index(MainChannelObject *c, PyObject *const *args, Py_ssize_t nargs
     Py_RETURN_TRUE;
 }
 
-PyDoc_STRVAR(mainchan_put_task_doc,
-"put_task($self, kind, seq, payload=b'')\n--\n\n"
-"Queue a control or pickled task (payload: bytes-like).");
-
-static PyObject *
-mainchan_put_task(MainChannelObject *c, PyObject *args)
+/* Queue a control or pickled task: 1 when queued, 0 when the ring has no room
+ * for it now (with `may_wait`; otherwise that is an error too), -1 with the error
+ * set, a ValueError for a task larger than the ring could ever take. */
+static int
+queue_task(MainChannelObject *c, PyObject *args, int may_wait)
 {
     unsigned int kind;
     long long seq;
     Py_buffer buf = {0};
     uint8_t *p;
     if (!PyArg_ParseTuple(args, "IL|y*", &kind, &seq, &buf))
-        return NULL;
+        return -1;
+    int rc = -1;
     if (c->closed || c->owner_pid != fl_self_pid()) {
-        PyBuffer_Release(&buf);
-        return PyErr_Format(PyExc_ValueError, "fastloader: channel is closed");
+        PyErr_Format(PyExc_ValueError, "fastloader: channel is closed");
+        goto done;
+    }
+    if ((uint64_t)buf.len > fl_task_max_payload(&c->ring)) {
+        PyErr_Format(PyExc_ValueError,
+                     "fastloader: a task of %zd bytes does not fit the task ring "
+                     "(at most %llu bytes); use a smaller batch of indices",
+                     buf.len, (unsigned long long)fl_task_max_payload(&c->ring));
+        goto done;
     }
     int code = task_room(c, (uint64_t)buf.len, &p);
-    if (code == FL_ERRNO) {
-        PyBuffer_Release(&buf);
-        return NULL;
+    if (code == FL_ERRNO)
+        goto done;
+    if (code == FL_FULL && may_wait) {
+        rc = 0;
+        goto done;
     }
-    if (code == FL_CORRUPT) {
-        PyBuffer_Release(&buf);
-        return fl_raise(code, 0, "sending a task");
-    }
-    if (code != FL_OK) {
-        PyBuffer_Release(&buf);
-        return PyErr_Format(PyExc_ValueError,
-                            "fastloader: a task of %zd bytes does not fit the task ring "
-                            "(%llu bytes); use a smaller batch of indices",
-                            buf.len, (unsigned long long)c->ring.task_cap);
+    if (code != FL_OK) {   /* FL_CORRUPT: what the worker left; or full */
+        fl_raise(code, 0, "sending a task");
+        goto done;
     }
     if (buf.len)
         memcpy(p, buf.buf, (size_t)buf.len);
     fl_task_commit(&c->ring, kind, seq, (uint64_t)buf.len);
-    PyBuffer_Release(&buf);
     wake_worker(c);
+    rc = 1;
+done:
+    PyBuffer_Release(&buf);
+    return rc;
+}
+
+PyDoc_STRVAR(mainchan_put_task_doc,
+"put_task($self, kind, seq, payload=b'')\n--\n\n"
+"Queue a control or pickled task (payload: bytes-like); raises if there is no room.");
+
+static PyObject *
+mainchan_put_task(MainChannelObject *c, PyObject *args)
+{
+    if (queue_task(c, args, 0) < 0)
+        return NULL;
     Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(mainchan_offer_task_doc,
+"offer_task($self, kind, seq, payload=b'')\n--\n\n"
+"put_task, but returns False instead of raising when the ring has no room for the\n"
+"task until the worker reads the tasks before it; True when queued.");
+
+static PyObject *
+mainchan_offer_task(MainChannelObject *c, PyObject *args)
+{
+    int rc = queue_task(c, args, 1);
+    if (rc < 0)
+        return NULL;
+    return PyBool_FromLong(rc);
 }
 
 /* ---- receiving ---- */
@@ -720,6 +789,7 @@ static PyMethodDef mainchan_methods[] = {
     {"put_index", (PyCFunction)(void (*)(void))mainchan_put_index, METH_FASTCALL,
      mainchan_put_index_doc},
     {"put_task", (PyCFunction)mainchan_put_task, METH_VARARGS, mainchan_put_task_doc},
+    {"offer_task", (PyCFunction)mainchan_offer_task, METH_VARARGS, mainchan_offer_task_doc},
     {"stats", (PyCFunction)mainchan_stats, METH_NOARGS, PyDoc_STR("stats() -> dict")},
     {"arena", (PyCFunction)mainchan_arena, METH_NOARGS,
      PyDoc_STR("arena() -> (address, nbytes) of the current ring arena, or None")},
@@ -735,7 +805,8 @@ static PyType_Slot mainchan_slots[] = {
     {Py_tp_methods, mainchan_methods},
     {Py_tp_getset, mainchan_getset},
     {Py_tp_doc, (void *)PyDoc_STR(
-         "MainChannel(worker_id, strategy, prefix, task_capacity, result_capacity)\n--\n\n"
+         "MainChannel(worker_id, strategy, prefix, task_capacity, result_capacity,\n"
+         "            task_window=task_capacity)\n--\n\n"
          "The main process's end of one worker's shared-memory rings.")},
     {0, NULL},
 };

@@ -38,11 +38,12 @@ ring_set(fl_ring *g, fl_ctl *c, uint64_t task_cap, uint32_t res_cap, uint32_t fr
     g->frees = (uint64_t *)((uint8_t *)c + free_off);
     g->tasks = (uint8_t *)c + task_off;
     g->task_head = 0;   /* a fresh block (main); the worker never produces tasks */
+    g->task_window = task_cap;
 }
 
 void
-fl_ctl_init(fl_ring *g, fl_ctl *c, uint32_t worker_id, uint64_t task_cap, uint32_t res_cap,
-            uint32_t free_cap)
+fl_ctl_init(fl_ring *g, fl_ctl *c, uint32_t worker_id, uint64_t task_cap, uint64_t task_window,
+            uint32_t res_cap, uint32_t free_cap)
 {
     uint64_t res_off = FL_ALIGN_UP(sizeof(fl_ctl), FL_CL);
     uint64_t free_off = res_off + FL_ALIGN_UP((size_t)res_cap * sizeof(fl_result), FL_CL);
@@ -59,6 +60,8 @@ fl_ctl_init(fl_ring *g, fl_ctl *c, uint32_t worker_id, uint64_t task_cap, uint32
     c->task_off = task_off;
     c->total = fl_ctl_layout(task_cap, res_cap, free_cap);
     ring_set(g, c, task_cap, res_cap, free_cap, res_off, free_off, task_off);
+    if (is_pow2(task_window) && task_window < task_cap)
+        g->task_window = task_window;
 }
 
 int
@@ -92,28 +95,44 @@ fl_ring_attach(fl_ring *g, fl_ctl *c, size_t mapped)
     return FL_OK;
 }
 
+uint64_t
+fl_task_max_payload(const fl_ring *g)
+{
+    return g->task_cap / 2 - FL_ALIGN_UP(sizeof(fl_task_hdr), 32);
+}
+
 /* The producer (main) is the only writer of task_head, so it can keep the
  * reservation in the record itself: reserve writes padding when the record would
  * wrap, and commit publishes head. Its head is its own copy (g->task_head): the
  * shared one is written, never read, so only the records main laid out decide
  * where it writes (channel_main.c reserves the pages as records reach them).
  * Records are multiples of 32 bytes, so a head that is not is corrupt (and would
- * leave no room for a header before the end). */
+ * leave no room for a header before the end).
+ *
+ * Records wrap at the window, not at the ring's end: the padding then runs from
+ * where the last record ended to the end of the ring, which it skips without
+ * touching its pages. So a loader whose tasks are small uses (and reserves) only
+ * the window, and one big task widens it instead of failing. The usual check of
+ * the bytes between tail and head, padding included, against the whole ring is
+ * what keeps every unread record from being overwritten, wherever the window is. */
 int
 fl_task_reserve(fl_ring *g, uint64_t payload_len, uint8_t **payload_out)
 {
     fl_ctl *c = g->ctl;
-    if (payload_len > g->task_cap)   /* also keeps the sum below from wrapping */
+    if (payload_len > fl_task_max_payload(g))   /* also keeps the sums below from wrapping */
         return FL_FULL;
     uint64_t need = FL_ALIGN_UP(sizeof(fl_task_hdr) + payload_len, 32);
+    while (need > g->task_window / 2 && g->task_window < g->task_cap)
+        g->task_window *= 2;
     uint64_t head = g->task_head;
     uint64_t tail = atomic_load_explicit(&c->task_tail, memory_order_acquire);
     if (head % 32 || head - tail > g->task_cap)
         return FL_CORRUPT;
     uint64_t pos = head & (g->task_cap - 1);
-    uint64_t to_end = g->task_cap - pos;
-    uint64_t pad = to_end < need ? to_end : 0;
-    if (need > g->task_cap / 2 || (head - tail) + pad + need > g->task_cap)
+    /* pos <= window: records end at or before it, and it only grows */
+    uint64_t to_window = g->task_window > pos ? g->task_window - pos : 0;
+    uint64_t pad = to_window < need ? g->task_cap - pos : 0;
+    if ((head - tail) + pad + need > g->task_cap)
         return FL_FULL;
     if (pad) {
         fl_task_hdr *h = (fl_task_hdr *)(g->tasks + pos);

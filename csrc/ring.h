@@ -84,6 +84,10 @@ typedef struct {
      * one and never reads it back, so a worker that overwrites it cannot move
      * where the next record is written */
     uint64_t task_head;
+    /* the main process's: where its records wrap (a power of two, at most
+     * task_cap). Records stay below it, so only the pages below it are ever
+     * reserved; it doubles when a record would not fit twice in it (reserve). */
+    uint64_t task_window;
 } fl_ring;
 
 size_t fl_ctl_layout(uint64_t task_cap, uint32_t res_cap, uint32_t free_cap);
@@ -92,12 +96,15 @@ size_t fl_ctl_layout(uint64_t task_cap, uint32_t res_cap, uint32_t free_cap);
 size_t fl_ctl_task_off(uint32_t res_cap, uint32_t free_cap);
 /* Main process: lay out a fresh control block; `g` gets the geometry it chose. */
 void fl_ctl_init(fl_ring *g, fl_ctl *c, uint32_t worker_id, uint64_t task_cap,
-                 uint32_t res_cap, uint32_t free_cap);
+                 uint64_t task_window, uint32_t res_cap, uint32_t free_cap);
 /* Worker: read the layout once from the `mapped`-byte block, check it, copy it. */
 int fl_ring_attach(fl_ring *g, fl_ctl *c, size_t mapped);
 
-/* tasks: reserve room for a payload, fill it, then commit */
+/* tasks: reserve room for a payload, fill it, then commit. FL_FULL: no room now
+ * (the worker has not read enough yet), or never (see fl_task_max_payload). */
 int fl_task_reserve(fl_ring *g, uint64_t payload_len, uint8_t **payload_out);
+/* The largest payload fl_task_reserve can ever place. */
+uint64_t fl_task_max_payload(const fl_ring *g);
 void fl_task_commit(fl_ring *g, uint32_t kind, int64_t seq, uint64_t payload_len);
 /* consumer side: returns 1 and points into the ring when a task is present */
 int fl_task_peek(const fl_ring *g, fl_task_hdr *hdr, const uint8_t **payload);

@@ -8,6 +8,7 @@ batches come out identical; only the transport differs. What it remembers for
 stats.EpochCounters, and what outlives it in the loader's session.LoaderSession."""
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import pickle
@@ -39,6 +40,11 @@ _EXTRA_SLOTS = 3
 # On Ctrl-C or a worker's death, how long busy siblings may take to stop by
 # themselves before they are terminated (idle ones stop at once).
 _FAILURE_GRACE_S = 0.2
+
+# Each worker's task ring: its records wrap within a window sized from the batch
+# size, and the rest is address space that a bigger task (a batch sampler of
+# unknown or varying size) widens the window into; a task may be half of it.
+_TASK_RING_BYTES = 64 << 20
 
 # The `snap` of a batch whose task never reached its worker (see _try_put_index):
 # no worker ran it, so it is not one to replay on resume.
@@ -118,10 +124,11 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
                        self._shared_seed)
             for wid in range(self._num_workers)
         ]
+        window = max(1 << 20, 4 * max_tasks * _task_bytes_estimate(loader))
         self._pool = WorkerPool(
             context, specs, self.sharing_strategy,
-            task_capacity=max(1 << 20, 4 * max_tasks * _task_bytes_estimate(loader)),
-            result_capacity=max_tasks + 2)
+            task_capacity=max(window, _TASK_RING_BYTES), result_capacity=max_tasks + 2,
+            task_window=window)
         self._channels = self._pool.channel_tuple
         self._reset(loader, first_iter=True)
 
@@ -183,6 +190,9 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         self._tasks_outstanding = 0
         self._workers_status = [True] * self._num_workers
         self._workers_num_tasks = [0] * self._num_workers
+        # per worker, in order, the tasks its ring had no room for yet (_send_task)
+        self._unsent = [collections.deque() for _ in range(self._num_workers)]
+        self._unsent_count = 0
         # torch cycles with itertools.cycle; an explicit position can be saved
         self._cycle_order = list(range(self._num_workers))
         self._cycle_pos = 0
@@ -292,6 +302,8 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
                 self._rcvd_idx += 1
                 return self._process_data(info[1], info[0], seq)
 
+            if self._unsent_count:
+                self._send_unsent()
             wid, seq, kind, data, where = self._get_data(info[0], self._wake_on_due_only)
             if kind == RES_RESUMED:
                 continue
@@ -352,30 +364,57 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
                     break
         else:
             return
-        ch = self._channels[worker_queue_idx]
-        try:
-            # put_index writes a range as its list of ints: right for ours, not for
-            # a range the user's sampler yields (the dataset must get the range)
-            if ((type(index) is range and not self._sends_ranges)
-                    or not ch.put_index(self._send_idx, index)):
-                if self._sends_ranges:
-                    index = as_list(index)
-                ch.put_task(TASK_PICKLE, self._send_idx,
-                            pickle.dumps(index, protocol=pickle.HIGHEST_PROTOCOL))
-            self._task_info[self._send_idx] = (worker_queue_idx,)
-            self._tasks_outstanding += 1
-        except MemoryError:
-            # The task ring's pages could not be reserved (shared memory is full):
-            # this batch raises in its turn, as a worker's error would, and the
-            # batches before and after it are delivered; here, inside the caller's
-            # next(), the batch in hand would be lost.
-            error = ExceptionWrapper(where=f"in the main process, sending batch "
-                                           f"{self._send_idx}'s task to worker "
-                                           f"{worker_queue_idx}")
-            self._task_info[self._send_idx] = (worker_queue_idx,
-                                               (error, WHERE_NONE, _NOT_SENT))
+        self._task_info[self._send_idx] = (worker_queue_idx,)
+        self._tasks_outstanding += 1
+        # in order: behind any task this worker's ring had no room for yet
+        unsent = self._unsent[worker_queue_idx]
+        task = [self._send_idx, index, None]
+        if unsent or not self._offer(worker_queue_idx, task):
+            unsent.append(task)
+            self._unsent_count += 1
         self._workers_num_tasks[worker_queue_idx] += 1
         self._send_idx += 1
+
+    def _send_unsent(self):
+        """Before the main process waits for a batch: the tasks whose ring had no
+        room for them (a task much bigger than those before it may have to wait
+        for the worker to read them), in order, as far as the rings take them now.
+        The due batch's worker has read every task before it, so that one goes."""
+        for wid, unsent in enumerate(self._unsent):
+            while unsent and self._offer(wid, unsent[0]):
+                unsent.popleft()
+                self._unsent_count -= 1
+
+    def _offer(self, wid, task):
+        """Put task [seq, index, pickled index or None] in worker `wid`'s ring:
+        True once it is there, or its error is in the batch's place; False if the
+        ring has no room for it yet."""
+        seq, index, pickled = task
+        ch = self._channels[wid]
+        try:
+            if pickled is None:
+                # put_index writes a range as its list of ints: right for ours, not
+                # for a range the user's sampler yields (the dataset must get the range)
+                if not (type(index) is range and not self._sends_ranges) \
+                        and ch.put_index(seq, index):
+                    return True
+                if self._sends_ranges:
+                    index = as_list(index)
+                task[2] = pickled = pickle.dumps(index, protocol=pickle.HIGHEST_PROTOCOL)
+            return ch.offer_task(TASK_PICKLE, seq, pickled)
+        except (MemoryError, ValueError):
+            # The task ring's pages could not be reserved (shared memory is full),
+            # or the task is larger than a ring can ever take: this batch raises in
+            # its turn, as a worker's error would, and the batches before and after
+            # it are delivered; here, inside the caller's next(), the batch in hand
+            # would be lost.
+            if ch.closed:
+                raise
+            error = ExceptionWrapper(where=f"in the main process, sending batch {seq}'s "
+                                           f"task to worker {wid}")
+            self._task_info[seq] = (wid, (error, WHERE_NONE, _NOT_SENT))
+            self._tasks_outstanding -= 1
+            return True
 
     def _process_data(self, result, worker_idx, seq):
         data, where, snap = result

@@ -134,7 +134,7 @@ def _reaper_thread_is_fork_safe(method):
 
 class WorkerPool:
     def __init__(self, context, specs, strategy: str, task_capacity: int,
-                 result_capacity: int):
+                 result_capacity: int, task_window: int = 0):
         self.owner_pid = os.getpid()
         self.strategy_name = sharing.check_strategy(strategy)
         self.prefix = sharing.loader_prefix(self.owner_pid)
@@ -152,13 +152,13 @@ class WorkerPool:
             _LIVE_POOLS.add(self)
         _exit_hook_for_this_process()
         try:
-            self._start_all(context, specs, strategy, task_capacity, result_capacity)
+            self._start_all(context, specs, strategy, (task_capacity, result_capacity, task_window))
         except BaseException:
             self.shutdown()
             raise
         self.channel_tuple = tuple(self.channels)
 
-    def _start_all(self, context, specs, strategy, task_capacity, result_capacity):
+    def _start_all(self, context, specs, strategy, rings):
         method = context.get_start_method()
         if method == "forkserver":
             forkserver.add_preload()   # in case the loader did not start it already
@@ -168,7 +168,7 @@ class WorkerPool:
             # One at a time: a forked worker inherits every fd open at that moment,
             # and should not hold its later siblings' channel ends.
             for spec in specs:
-                proc = self._prepare(context, spec, strategy, task_capacity, result_capacity)
+                proc = self._prepare(context, spec, strategy, rings)
                 self._launch([proc], method)
             return
         # spawn/forkserver: Process.start() writes the pickled dataset into a pipe
@@ -184,16 +184,17 @@ class WorkerPool:
                                              worker_init_fn=None,
                                              payload=(_Fd(shared.fd), shared.size))
                          for spec in specs]
-            procs = [self._prepare(context, spec, strategy, task_capacity, result_capacity)
+            procs = [self._prepare(context, spec, strategy, rings)
                      for spec in specs]
             self._launch(procs, method)
         finally:
             if shared is not None:
                 shared.close()   # every child has its own copy of the fd by now
 
-    def _prepare(self, context, spec, strategy, task_capacity, result_capacity):
+    def _prepare(self, context, spec, strategy, rings):
+        """rings: (task_capacity, result_capacity, task_window), see _core.MainChannel"""
         ch = _core.MainChannel(spec.worker_id, sharing.core_strategy(strategy, _core), self.prefix,
-                               task_capacity, result_capacity)
+                               *rings)
         self.channels.append(ch)
         MAIN_FDS.update(ch.main_fds())
         h = ch.handle()

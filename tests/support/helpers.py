@@ -268,11 +268,11 @@ def map_lines():
 
 
 @contextlib.contextmanager
-def loopback_channels(tag, task_capacity=1 << 16):
+def loopback_channels(tag, task_capacity=1 << 16, task_window=0):
     """Both ends of one channel in this process, file_system strategy, under a
     fresh prefix of ours: (main, worker). The main end is closed on exit."""
     prefix = f"{NAME_ROOT}-{os.getpid()}-{uuid.uuid4().hex[:10]}-{tag}"
-    main = _core.MainChannel(0, _core.STRATEGY_FS, prefix, task_capacity, 16)
+    main = _core.MainChannel(0, _core.STRATEGY_FS, prefix, task_capacity, 16, task_window)
     h = main.handle()
     try:
         worker = _core.WorkerChannel(h, h["ctl_fd"], h["efd_main"], h["efd_worker"], h["sock"], 3)

@@ -67,3 +67,44 @@ def test_a_task_ring_the_worker_corrupted_is_reported_as_corrupt_not_full(index)
         with pytest.raises(RuntimeError, match="failed validation"):
             if main.put_index(2, index) is False:
                 main.put_task(_core.TASK_PICKLE, 2, b"x")
+
+
+def test_a_task_the_ring_has_no_room_for_yet_is_offered_back_then_goes_in_order():
+    """offer_task answers False (put_task raises) while the worker has not read the
+    records before it; once it has, the task goes, after them."""
+    with loopback_channels("offer", task_capacity=1 << 12) as (main, worker):
+        payload = b"x" * 1500   # three records of 1,536 bytes: two fit in 4 KiB
+        assert main.offer_task(_core.TASK_PICKLE, 1, payload) is True
+        assert main.offer_task(_core.TASK_PICKLE, 2, payload) is True
+        assert main.offer_task(_core.TASK_PICKLE, 3, payload) is False
+        with pytest.raises(RuntimeError, match="full"):
+            main.put_task(_core.TASK_PICKLE, 3, payload)
+        assert worker.get_task()[:2] == (_core.TASK_PICKLE, 1)
+        assert main.offer_task(_core.TASK_PICKLE, 3, payload) is True
+        assert [worker.get_task()[1] for _ in range(2)] == [2, 3]
+
+
+def test_a_task_larger_than_half_the_ring_is_refused_with_the_limit():
+    with loopback_channels("offer", task_capacity=1 << 12) as (main, worker):
+        for put in (main.offer_task, main.put_task):
+            with pytest.raises(ValueError, match=r"a task of 3000 bytes does not fit the task "
+                                                 r"ring \(at most 2016 bytes\)"):
+                put(_core.TASK_PICKLE, 1, b"x" * 3000)
+        assert main.put_index(1, list(range(300))) is False   # 2,400 bytes: declined
+        assert main.offer_task(_core.TASK_PICKLE, 2, b"ok") is True
+        assert worker.get_task()[1:] == (2, b"ok")
+
+
+def test_records_wrap_at_the_window_and_a_bigger_task_widens_it():
+    """Small tasks go round a 4 KiB window of a 1 MiB ring many times, each arriving
+    whole; then tasks bigger than the window (the ring's address space beyond it)
+    arrive too, between small ones."""
+    with loopback_channels("window", task_capacity=1 << 20, task_window=1 << 12) as (
+            main, worker):
+        seq = 0
+        for size in [40] * 300 + [3000, 40, 40_000, 40, 60_000] + [40] * 300:
+            index = list(range(seq, seq + size))
+            assert main.put_index(seq, index) is True
+            got = worker.get_task()
+            assert got[1] == seq and got[2] == index
+            seq += 1
