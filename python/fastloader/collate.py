@@ -4,6 +4,9 @@ fills it straight into the ring slot. One copy, not two, and for numbers and Num
 arrays no torch call at all (a C fill, csrc/collate_fill.c)."""
 from __future__ import annotations
 
+import collections
+import collections.abc
+
 import numpy as np
 import torch
 from torch.utils.data._utils import collate as _tc
@@ -146,7 +149,7 @@ def _claims(key, instance):
 class _SlotMap:
     """The collate map of the slot collate, rebuilt whenever torch's changed."""
 
-    __slots__ = ("seen", "fns", "plain", "torch_default")
+    __slots__ = ("seen", "fns", "plain", "torch_default", "_claimed")
 
     def __init__(self, torch_map):
         self.seen = _items(torch_map)
@@ -170,6 +173,17 @@ class _SlotMap:
         # and mapping branches only where no function of the map claims a tuple
         # or a dict first (collate() looks the map up before its branches)
         self.plain = not any(_claims(key, ()) or _claims(key, {}) for key in fns)
+        self._claimed = {}
+
+    def claims(self, elem):
+        """Whether a function of the map collates elements of elem's type (by the
+        type: collate() tries the exact type, then isinstance() in order)."""
+        cls = type(elem)
+        claimed = self._claimed.get(cls)
+        if claimed is None:
+            claimed = self._claimed[cls] = cls in self.fns or any(
+                _claims(key, elem) for key in self.fns)
+        return claimed
 
 
 _slot_map = _SlotMap(_tc.default_collate_fn_map)
@@ -203,6 +217,57 @@ def _collated_leaf(node):
     return None
 
 
+# -- containers whose own code would see the deferred stacks -----------------------
+# torch's collate() builds a sample's containers around the collated values: a
+# mapping by copy() and update() or by calling its type, a namedtuple by calling
+# its type, another mutable sequence by item assignment. The slot collate's values
+# are placeholders (DeferredStack) until the encoder fills them, so a container
+# whose constructor or __setitem__ looks at its values (casts, validates, takes a
+# len()) would see those. Only these run no code of the sample's own:
+_PLAIN_MAPPINGS = (dict, collections.OrderedDict, collections.defaultdict)
+
+
+def _is_plain_namedtuple_type(cls):
+    """A namedtuple class (collections.namedtuple, typing.NamedTuple, or a subclass)
+    whose construction is the generated __new__ alone."""
+    new = cls.__new__
+    return (getattr(new, "__globals__", {}).get("_tuple_new") is tuple.__new__
+            and cls.__init__ is object.__init__)
+
+
+def _builds_plain_containers(elem, slot_map, depth=0):
+    """Whether collate() with the map `slot_map`, over samples shaped like `elem` (it
+    follows the first sample, as collate() does), builds only containers that run
+    no code of their own on the collated values. It follows collate()'s order: a
+    function of the map first (what it returns is its own: ours, or a user's called
+    with torch's map), then the mapping, namedtuple and sequence branches."""
+    if depth > 64:   # a sample that contains itself: collate()'s own recursion error
+        return False
+    if slot_map.claims(elem):
+        return True
+    cls = type(elem)
+    if cls is tuple or cls is list:   # a tuple is collated as a list
+        values = elem
+    elif cls in _PLAIN_MAPPINGS:
+        values = elem.values()
+    elif isinstance(elem, collections.abc.Mapping):
+        return False
+    elif isinstance(elem, tuple) and hasattr(elem, "_fields"):
+        if not _is_plain_namedtuple_type(cls):
+            return False
+        values = elem
+    elif not isinstance(elem, collections.abc.Sequence):
+        return True   # collate() raises its TypeError for it, with any map
+    elif isinstance(elem, tuple):
+        values = elem
+    else:
+        return False
+    for value in values:
+        if not _builds_plain_containers(value, slot_map, depth + 1):
+            return False
+    return True
+
+
 def _collated_structure(node):
     """The structure default_collate returns for the rows of `node` (tuples become
     lists, as torch makes them), with deferred copies as leaves; None if any leaf
@@ -214,7 +279,8 @@ def _collated_structure(node):
             if out[key] is None:
                 return None
         return out
-    if type(node) in (tuple, list) or _is_namedtuple(node):
+    if type(node) in (tuple, list) or (_is_namedtuple(node)
+                                       and _is_plain_namedtuple_type(type(node))):
         parts = [_collated_structure(value) for value in node]
         if any(part is None for part in parts):
             return None
@@ -253,6 +319,10 @@ def _slot_collate(batch):
             return structure
         # a leaf torch must handle (requires_grad, a subclass...): the samples
     fns = slot_map.fns
+    if (type(batch) in (list, CollatedSamples) and len(batch)
+            and not _builds_plain_containers(batch[0], slot_map)):
+        # the containers would see placeholders: torch's own collate, real tensors
+        return _tc.collate(batch, collate_fn_map=_tc.default_collate_fn_map)
     if slot_map.plain:
         # Plain tuples of one length (most datasets' samples): torch's collate()
         # would check the lengths, transpose and return a list of collated

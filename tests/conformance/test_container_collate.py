@@ -1,0 +1,50 @@
+"""Sample containers whose own code sees what default_collate puts in them (a
+Mapping that takes a len() in __init__, a UserDict that casts in __setitem__, a
+namedtuple whose __new__ coerces): the slot collate's placeholders must never reach
+them, so the batches are torch's (type, attributes, dtypes) or torch's error."""
+import pytest
+import torch
+from torch.utils.data import DataLoader as TorchDataLoader
+
+from fastloader import DataLoader
+from tests.support import container_datasets as cd
+from tests.support.helpers import assert_same_batches, collect
+
+
+def _outcome(cls, dataset, context, batch_size=4):
+    loader = cls(dataset, batch_size=batch_size, num_workers=2,
+                 multiprocessing_context=context)
+    try:
+        return "ok", collect(loader, seconds=120)
+    except Exception as exc:   # compared with torch's below
+        return "error", (type(exc).__name__, str(exc).splitlines()[-1])
+
+
+def _attrs(batch):
+    return (type(batch), {k: v for k, v in getattr(batch, "__dict__", {}).items()
+                          if k not in ("data", "_d")})   # the values: compared below
+
+
+KINDS = ["LenMapping", "CastDict", "Coerced", "Sized", "SizedList", "nested", "Plain"]
+
+
+@pytest.mark.parametrize("kind, context", [(kind, "fork") for kind in KINDS]
+                         + [("CastDict", "spawn"), ("Coerced", "spawn")])
+def test_containers_that_look_at_their_values_get_torchs_batches(kind, context):
+    theirs = _outcome(TorchDataLoader, cd.Containers(kind), context)
+    ours = _outcome(DataLoader, cd.Containers(kind), context)
+    assert theirs[0] == "ok", theirs
+    assert ours[0] == "ok", ours
+    assert len(ours[1]) == len(theirs[1]) == 3
+    for mine, torchs in zip(ours[1], theirs[1]):
+        assert _attrs(mine) == _attrs(torchs)
+        assert_same_batches(torchs, mine)
+
+
+def test_a_collated_batch_in_a_coercing_namedtuple_gets_torchs_batches():
+    theirs = _outcome(TorchDataLoader, cd.CollatedCoerced(), "fork")
+    ours = _outcome(DataLoader, cd.CollatedCoerced(), "fork")
+    assert theirs[0] == ours[0] == "ok", (theirs, ours)
+    for mine, torchs in zip(ours[1], theirs[1]):
+        assert type(mine) is type(torchs)
+        assert_same_batches(torchs, mine)
