@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import copyreg
 import io
-import multiprocessing.connection
+import multiprocessing.connection  # noqa: F401  (registers Connection's reducer)
 import pickle
-import socket
 from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
@@ -210,7 +209,10 @@ class _OutOfBandPickler(pickle.Pickler):
     """Pickles anything, but leaves plain tensors and arrays to the ring."""
 
     def __init__(self, file, oob, enclosing=None):
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        # torch's queue pickles with ForkingPickler's protocol, pickle's default
+        # (an object's __reduce_ex__ sees it; an array pickled in band arrives as
+        # a writable copy, as with torch)
+        super().__init__(file, protocol=pickle.DEFAULT_PROTOCOL)
         self._oob = oob
         self._seen = {}
         # ids of the containers the codec is encoding around this object (alive
@@ -245,13 +247,24 @@ class _OutOfBandUnpickler(pickle.Unpickler):
         return self._oob[pid[1]]
 
 
-# Objects that hold a file descriptor travel as torch's queue sends them, through
-# multiprocessing's own reducers (the receiver gets a duplicate of the fd from the
-# worker). Plain pickle copied a socket's refusal, and a Connection's fd *number*:
-# in the main process that names some other file, which its __del__ then closed.
-_FD_REDUCERS = {t: ForkingPickler._extra_reducers[t]
-                for t in (socket.socket, multiprocessing.connection.Connection)
-                if t in ForkingPickler._extra_reducers}
+# What ForkingPickler.register() registered, as torch's queue applies it: a user's
+# reducers, and multiprocessing's (through which objects that hold a file
+# descriptor travel as with torch: the receiver gets a duplicate of the fd from the
+# worker; plain pickle copied a socket's refusal, and a Connection's fd *number*,
+# which in the main process names some other file, closed by its __del__). Not
+# torch's own for its tensors and storages: those travel through the ring.
+_TORCHS_REDUCERS = "torch.multiprocessing.reductions"
+_forking = {"seen": None, "reducers": {}}
+
+
+def _forking_reducers():
+    """The registrations now, minus torch's; recomputed only when they changed."""
+    seen = tuple(ForkingPickler._extra_reducers.items())
+    if seen != _forking["seen"]:
+        _forking["reducers"] = {t: fn for t, fn in seen
+                                if getattr(fn, "__module__", None) != _TORCHS_REDUCERS}
+        _forking["seen"] = seen
+    return _forking["reducers"]
 
 
 # A storage in a batch: torch's queue shares it; plain pickle goes through
@@ -285,7 +298,7 @@ def _reduce_typed_storage(storage):
     return _rebuild_typed_storage, (_storage_bytes(untyped), storage.dtype)
 
 
-_REDUCERS = {**_FD_REDUCERS, torch.UntypedStorage: _reduce_untyped_storage,
+_REDUCERS = {torch.UntypedStorage: _reduce_untyped_storage,
              torch.TypedStorage: _reduce_typed_storage}
 
 
@@ -293,8 +306,9 @@ def dumps(obj, enclosing=None):
     buf = io.BytesIO()
     oob: list = []
     pickler = _OutOfBandPickler(buf, oob, enclosing)
-    # copied per batch, so that a copyreg.pickle() made since is honoured
-    pickler.dispatch_table = {**copyreg.dispatch_table, **_REDUCERS}
+    # copied per batch, so that a copyreg.pickle() or ForkingPickler.register()
+    # made since is honoured
+    pickler.dispatch_table = {**copyreg.dispatch_table, **_forking_reducers(), **_REDUCERS}
     pickler.dump(obj)
     return buf.getvalue(), oob
 
