@@ -69,6 +69,15 @@ class DataLoader(_TorchDataLoader[T_co]):
     def _is_accelerate_prepared(self, value):
         self.__dict__["_fastloader_accelerate_prepared"] = value
 
+    def __iter__(self):
+        it = self.__dict__.get("_iterator")
+        if it is not None and getattr(it, "_shutdown", False):
+            # persistent workers stopped by an error or Ctrl-C (or by a framework's
+            # _shutdown_workers()): the next epoch starts new ones, where torch's
+            # iterator would fail on its dead workers
+            object.__setattr__(self, "_iterator", None)
+        return super().__iter__()
+
     def _get_iterator(self):
         session = session_of(self)
         if self.num_workers == 0:

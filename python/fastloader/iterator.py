@@ -96,6 +96,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         # a torch DataLoader given fastloader's transport by install() has none
         self.sharing_strategy = getattr(loader, "sharing_strategy", strategy)
         self._shutdown = False
+        self._stopped_by = None   # why the workers were stopped mid-epoch, if they were
         self._pool = None
         self._resume_state = resume_state
         if resume_state is not None and resume_state.get("epoch_done"):
@@ -266,6 +267,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             # Ctrl-C: stop the workers now (briefly let idle ones exit by
             # themselves, terminate busy ones) so the program can exit at once.
             self._shutdown_workers(grace=_FAILURE_GRACE_S)
+            self._stopped_by = "KeyboardInterrupt"
             raise
         if got is None:
             raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
@@ -275,10 +277,22 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             # The epoch is lost: as for Ctrl-C, do not let a sibling busy in a long
             # sample hold the error back for the full grace (contract: within 2 s).
             self._shutdown_workers(grace=_FAILURE_GRACE_S)
+            self._stopped_by = message
             raise _core.WorkerError(message)
         return got
 
     def _next_data(self):
+        if self._shutdown:
+            if self._epoch_done:
+                raise StopIteration
+            # torch's iterator goes on with the workers left, then ends; ours
+            # stopped them all (the failure contract: fail fast, leave nothing
+            # running): it says so once, then ends, so that a loop that skips
+            # failed batches ends too
+            self._epoch_done = True
+            why = f" after {self._stopped_by}" if self._stopped_by else ""
+            raise RuntimeError(f"DataLoader iterator: its workers were stopped{why}; "
+                               "iter(loader) starts a new epoch with new workers")
         while True:
             while self._rcvd_idx < self._send_idx:
                 info = self._task_info.get(self._rcvd_idx, None)
