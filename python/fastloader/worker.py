@@ -194,9 +194,14 @@ class _Loop:
         try:
             if spec.worker_init_fn is not None:
                 spec.worker_init_fn(self.wid)
-            self._new_fetcher()
         except Exception:
             self.init_error = _wrap_exception(self.wid, -1, None, context="in worker_init_fn")
+            return
+        try:
+            self._new_fetcher()   # an IterableDataset's __iter__ runs here
+        except Exception:
+            self.init_error = _wrap_exception(self.wid, -1, None,
+                                              context="in the dataset's __iter__")
 
     def _new_fetcher(self):
         spec = self.spec

@@ -70,7 +70,7 @@ HAS_ACCELERATOR = torch.accelerator.is_available()
 # ======================================================================================
 
 _WHERE_LINE = re.compile(
-    r"^(Caught \w+ in DataLoader worker process \d+)(?: \((?:batch .*|in worker_init_fn)\))?\.$")
+    r"^(Caught \w+ in DataLoader worker process \d+)(?: \((?:batch .*|in worker_init_fn|in the dataset's __iter__)\))?\.$")
 _USER_FRAME = re.compile(r'^  File "(?:[^"]*/)?(conformance_datasets\.py|datasets\.py)", '
                          r"line (\d+), in (\S+)$")
 

@@ -8,6 +8,7 @@ Every wait runs under `deadline` (SIGALRM) or a subprocess timeout, and
 faulthandler_timeout (pyproject) dumps stacks if all else fails.
 """
 import pytest
+import torch.utils.data
 
 from fastloader import DataLoader, WorkerError
 from tests.support import datasets as ds
@@ -90,3 +91,20 @@ def test_unencodable_sample_names_type_and_indices(ctx):
     assert "generator" in message, message
     assert "[4, 5, 6, 7]" in message, message
     assert got == [[0, 1, 2, 3]], got
+
+
+class _IterRaises(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        raise ValueError("no shard for this worker")
+
+
+def test_an_iterable_datasets_iter_error_names_iter_not_worker_init_fn():
+    """Without a worker_init_fn, an error in __iter__ was said to come from one."""
+    loader = DataLoader(_IterRaises(), batch_size=2, num_workers=1,
+                        multiprocessing_context="fork")
+    with deadline(60), pytest.raises(ValueError) as info:
+        next(iter(loader))
+    message = str(info.value)
+    assert "in DataLoader worker process 0 (in the dataset's __iter__)" in message, message
+    assert "worker_init_fn" not in message, message
+    assert "no shard for this worker" in message, message
