@@ -428,8 +428,9 @@ put_range(MainChannelObject *c, long long seq, PyObject *range)
 PyDoc_STRVAR(mainchan_put_index_doc,
 "put_index($self, seq, index)\n--\n\nReturns bool.\n"
 "Queue a fetch task. Lists of ints, ranges, ints and lists of None travel as raw\n"
-"int64s (a range as the list of its ints); returns False for any other index (the\n"
-"caller pickles it and uses put_task).");
+"int64s (a range as the list of its ints); returns False for any other index, and\n"
+"when the ring has no room for it yet (the caller pickles it and offers it with\n"
+"offer_task).");
 
 static PyObject *
 mainchan_put_index(MainChannelObject *c, PyObject *const *args, Py_ssize_t nargs)
@@ -450,7 +451,9 @@ mainchan_put_index(MainChannelObject *c, PyObject *const *args, Py_ssize_t nargs
         int code = task_room(c, 8, &p);
         if (code == FL_ERRNO)
             return NULL;
-        if (code != FL_OK)   /* FL_FULL, or FL_CORRUPT: what the worker left */
+        if (code == FL_FULL)
+            Py_RETURN_FALSE;   /* no room yet: the caller offers it again later */
+        if (code != FL_OK)   /* FL_CORRUPT: what the worker left */
             return fl_raise(code, 0, "sending a task");
         memcpy(p, &v, 8);
         fl_task_commit(&c->ring, FL_TASK_INDEX, seq, 8);
@@ -473,7 +476,9 @@ mainchan_put_index(MainChannelObject *c, PyObject *const *args, Py_ssize_t nargs
         int code = task_room(c, 8, &p);
         if (code == FL_ERRNO)
             return NULL;
-        if (code != FL_OK)   /* FL_FULL, or FL_CORRUPT: what the worker left */
+        if (code == FL_FULL)
+            Py_RETURN_FALSE;   /* no room yet: the caller offers it again later */
+        if (code != FL_OK)   /* FL_CORRUPT: what the worker left */
             return fl_raise(code, 0, "sending a task");
         memcpy(p, &cnt, 8);
         fl_task_commit(&c->ring, FL_TASK_NONES, seq, 8);

@@ -39,6 +39,7 @@ ring_set(fl_ring *g, fl_ctl *c, uint64_t task_cap, uint32_t res_cap, uint32_t fr
     g->tasks = (uint8_t *)c + task_off;
     g->task_head = 0;   /* a fresh block (main); the worker never produces tasks */
     g->task_window = task_cap;
+    g->task_pad = 0;
 }
 
 void
@@ -132,6 +133,7 @@ fl_task_reserve(fl_ring *g, uint64_t payload_len, uint8_t **payload_out)
     /* pos <= window: records end at or before it, and it only grows */
     uint64_t to_window = g->task_window > pos ? g->task_window - pos : 0;
     uint64_t pad = to_window < need ? g->task_cap - pos : 0;
+    g->task_pad = 0;
     if ((head - tail) + pad + need > g->task_cap)
         return FL_FULL;
     if (pad) {
@@ -140,8 +142,12 @@ fl_task_reserve(fl_ring *g, uint64_t payload_len, uint8_t **payload_out)
         h->kind = FL_TASK_PAD;
         h->seq = -1;
         h->payload_len = 0;
-        g->task_head = head + pad;
-        atomic_store_explicit(&c->task_head, head + pad, memory_order_release);
+        /* taken (and published) by the commit, with the record after it: a
+         * record that is not committed (its pages could not be reserved, an
+         * index beyond int64) leaves no padding behind, which the worker would
+         * skip only once a record follows it, while the main process counts its
+         * room as taken */
+        g->task_pad = pad;
         pos = 0;
     }
     *payload_out = g->tasks + pos + sizeof(fl_task_hdr);
@@ -152,9 +158,10 @@ void
 fl_task_commit(fl_ring *g, uint32_t kind, int64_t seq, uint64_t payload_len)
 {
     fl_ctl *c = g->ctl;
-    uint64_t head = g->task_head;
+    uint64_t head = g->task_head + g->task_pad;   /* past the padding reserve wrote */
     uint64_t len = FL_ALIGN_UP(sizeof(fl_task_hdr) + payload_len, 32);
     uint64_t pos = head & (g->task_cap - 1);
+    g->task_pad = 0;
     /* not the record reserve placed (a caller's bug): write nothing */
     if (head % 32 || len > g->task_cap - pos)
         return;

@@ -88,6 +88,8 @@ typedef struct {
      * task_cap). Records stay below it, so only the pages below it are ever
      * reserved; it doubles when a record would not fit twice in it (reserve). */
     uint64_t task_window;
+    /* the padding the last reserve wrote before its record, for commit to take */
+    uint64_t task_pad;
 } fl_ring;
 
 size_t fl_ctl_layout(uint64_t task_cap, uint32_t res_cap, uint32_t free_cap);

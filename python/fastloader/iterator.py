@@ -97,6 +97,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         self.sharing_strategy = getattr(loader, "sharing_strategy", strategy)
         self._shutdown = False
         self._stopped_by = None   # why the workers were stopped mid-epoch, if they were
+        self._stop_reported = False
         self._pool = None
         self._resume_state = resume_state
         if resume_state is not None and resume_state.get("epoch_done"):
@@ -202,10 +203,12 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         if not first_iter:
             # an IterDataPipe gets the epoch's new shared seed with the resume
             seed = pickle.dumps(self._shared_seed)
-            for ch in self._channels:
-                ch.put_task(TASK_RESUME, -1, seed)
+            unsent = list(self._channels)
             waiting = self._num_workers
             while waiting > 0:
+                # a ring still full of an abandoned epoch's tasks takes the resume
+                # once its worker has read on
+                unsent = [ch for ch in unsent if not ch.offer_task(TASK_RESUME, -1, seed)]
                 _wid, seq, kind, _data, _where = self._get_data()
                 if kind == RES_RESUMED:
                     waiting -= 1
@@ -283,13 +286,13 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
 
     def _next_data(self):
         if self._shutdown:
-            if self._epoch_done:
+            if self._epoch_done or self._stop_reported:
                 raise StopIteration
             # torch's iterator goes on with the workers left, then ends; ours
             # stopped them all (the failure contract: fail fast, leave nothing
             # running): it says so once, then ends, so that a loop that skips
-            # failed batches ends too
-            self._epoch_done = True
+            # failed batches ends too (the epoch is not done: state_dict() says so)
+            self._stop_reported = True
             why = f" after {self._stopped_by}" if self._stopped_by else ""
             raise RuntimeError(f"DataLoader iterator: its workers were stopped{why}; "
                                "iter(loader) starts a new epoch with new workers")
@@ -318,6 +321,8 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
 
             if self._unsent_count:
                 self._send_unsent()
+                if len(self._task_info[self._rcvd_idx]) == 2:
+                    continue   # the due task could not be sent: its error is due
             wid, seq, kind, data, where = self._get_data(info[0], self._wake_on_due_only)
             if kind == RES_RESUMED:
                 continue
@@ -448,6 +453,10 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
     def _mark_worker_as_unavailable(self, worker_id, shutdown=False):
         self._pool.stop_worker(worker_id)
         self._workers_status[worker_id] = False
+        # its tasks not sent yet will not be: torch's are lost with the worker's
+        # queue too, and _next_data skips the batches of an unavailable worker
+        self._unsent_count -= len(self._unsent[worker_id])
+        self._unsent[worker_id].clear()
 
     # -- shutdown ---------------------------------------------------------------------
     def _shutdown_workers(self, grace=5.0, deferred=False):

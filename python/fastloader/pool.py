@@ -285,8 +285,10 @@ class WorkerPool:
             return
         ch = self.channels[worker_id]
         ch.watch = False
+        # no room (its ring still holds tasks it will answer as exhausted): it is
+        # stopped with the others at the end instead
         if not ch.closed:
-            ch.put_task(TASK_SHUTDOWN, -1)
+            ch.offer_task(TASK_SHUTDOWN, -1)
 
     def _tell_workers_to_stop(self) -> bool:
         """First step of every shutdown; False if it is not ours to do (done

@@ -108,3 +108,34 @@ def test_records_wrap_at_the_window_and_a_bigger_task_widens_it():
             got = worker.get_task()
             assert got[1] == seq and got[2] == index
             seq += 1
+
+
+def test_a_record_not_committed_after_its_padding_leaves_no_padding_behind():
+    """A record that needs padding before it (it does not fit before the window's
+    end) and then is not committed (an index beyond int64): the padding must not
+    stay, unread by the worker (it skips padding only once a record follows) yet
+    counted as taken by the main process, so that a bigger task then had no room
+    until the worker read on, which it never would."""
+    with loopback_channels("pad", task_capacity=1 << 20, task_window=1 << 12) as (
+            main, worker):
+        for seq in (1, 2):   # two records of 1,536 bytes, read: the next starts at 3,072
+            assert main.offer_task(_core.TASK_PICKLE, seq, b"x" * 1500) is True
+            assert worker.get_task()[1] == seq
+        # 2,048 bytes do not fit before 4,096: padding first, then no record
+        assert main.put_index(3, list(range(249)) + [2**64]) is False
+        # 4,032 bytes: the window widens; it fits where the padding would have gone
+        assert main.offer_task(_core.TASK_PICKLE, 4, b"y" * 4000) is True
+        assert worker.get_task()[1:] == (4, b"y" * 4000)
+
+
+@pytest.mark.parametrize("index", [7, [None] * 3])
+def test_an_index_the_full_ring_has_no_room_for_is_declined_not_an_error(index):
+    """The iterator then offers it again once the worker has read on; it raised
+    "ring is full" out of next()."""
+    with loopback_channels("full", task_capacity=1 << 12) as (main, worker):
+        assert main.offer_task(_core.TASK_PICKLE, 1, b"x" * 2000) is True
+        assert main.offer_task(_core.TASK_PICKLE, 2, b"x" * 2000) is True
+        assert main.put_index(3, index) is False
+        assert worker.get_task()[1] == 1
+        assert main.put_index(3, index) is True
+        assert [worker.get_task()[1:] for _ in range(2)] == [(2, b"x" * 2000), (3, index)]
