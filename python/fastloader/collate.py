@@ -319,7 +319,8 @@ def _slot_collate(batch):
             return structure
         # a leaf torch must handle (requires_grad, a subclass...): the samples
     fns = slot_map.fns
-    if (type(batch) in (list, CollatedSamples) and len(batch)
+    if ((type(batch) in (list, tuple, CollatedSamples)
+         or isinstance(batch, collections.abc.Sequence)) and len(batch)
             and not _builds_plain_containers(batch[0], slot_map)):
         # the containers would see placeholders: torch's own collate, real tensors
         return _tc.collate(batch, collate_fn_map=_tc.default_collate_fn_map)

@@ -48,3 +48,12 @@ def test_a_collated_batch_in_a_coercing_namedtuple_gets_torchs_batches():
     for mine, torchs in zip(ours[1], theirs[1]):
         assert type(mine) is type(torchs)
         assert_same_batches(torchs, mine)
+
+
+def test_samples_handed_over_as_a_tuple_get_torchs_batches():
+    theirs = _outcome(TorchDataLoader, cd.TupleOfCastDicts(), "fork")
+    ours = _outcome(DataLoader, cd.TupleOfCastDicts(), "fork")
+    assert theirs[0] == ours[0] == "ok", (theirs, ours)
+    assert theirs[1][0]["y"].dtype == torch.float32
+    for mine, torchs in zip(ours[1], theirs[1]):
+        assert_same_batches(torchs, mine)

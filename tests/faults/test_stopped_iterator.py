@@ -57,6 +57,9 @@ def test_after_a_workers_death_next_says_the_workers_were_stopped_then_ends(tmp_
         next(it)
     with pytest.raises(StopIteration):
         next(it)
+    # the epoch did not end: a checkpoint taken now resumes within it
+    state = it.state_dict()
+    assert state["epoch_done"] is False and state["next_seq"] == len(got)
 
 
 def test_persistent_workers_stopped_by_a_death_are_replaced_at_the_next_epoch(tmp_path):

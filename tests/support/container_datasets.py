@@ -95,3 +95,17 @@ class CollatedCoerced(Dataset):
     def __getitems__(self, indices):
         return CollatedSamples(Coerced(torch.tensor([[i] for i in indices]),
                                        torch.tensor(indices)))
+
+
+class TupleOfCastDicts(Dataset):
+    """__getitems__ returns its samples as a tuple (torch's fetcher passes on what it
+    returns): the check that keeps placeholders from the containers must see it."""
+
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        return CastDict(y=i)
+
+    def __getitems__(self, indices):
+        return tuple(CastDict(y=i) for i in indices)
