@@ -552,6 +552,31 @@ plan_seq(fl_state *st, fl_plan *p, PyObject *o, int depth)
     return 0;
 }
 
+/* Whether the instance carries state of its own: attributes in a __dict__ (a tuple
+ * subclass cannot have slots of its own), which pickle would restore. */
+static int
+has_instance_state(PyObject *o)
+{
+    PyTypeObject *tp = Py_TYPE(o);
+    int has_dict = tp->tp_dictoffset != 0;
+#ifdef Py_TPFLAGS_MANAGED_DICT
+    has_dict = has_dict || (tp->tp_flags & Py_TPFLAGS_MANAGED_DICT);
+#endif
+    if (!has_dict)
+        return 0;
+    PyObject *d = PyObject_GenericGetDict(o, NULL);
+    if (d == NULL)
+        return -1;
+    int r = PyDict_Check(d) ? PyDict_GET_SIZE(d) > 0 : 1;
+    Py_DECREF(d);
+    return r;
+}
+
+/* A namedtuple instance travels as its pickled class and its fields, and the main
+ * process rebuilds it as pickle would (cls.__new__(cls, *fields), no __init__), if
+ * that is all pickle would do: hook_namedtuple decides per class (None: the class
+ * pickles its instances its own way), and an instance with attributes of its own
+ * is pickled whole too. Returns 1 if the instance must be pickled instead. */
 static int
 plan_namedtuple(fl_state *st, fl_plan *p, PyObject *o, int depth)
 {
@@ -560,20 +585,23 @@ plan_namedtuple(fl_state *st, fl_plan *p, PyObject *o, int depth)
     if (pickled == NULL) {
         if (PyErr_Occurred())
             return -1;
-        PyObject *r = PyObject_CallOneArg(st->hook_dumps, cls);
+        PyObject *r = PyObject_CallOneArg(st->hook_namedtuple, cls);
         if (r == NULL)
             return -1;
-        pickled = PyTuple_Check(r) && PyTuple_GET_SIZE(r) == 2 ? PyTuple_GET_ITEM(r, 0)
-                                                               : NULL;
-        if (pickled == NULL || !PyBytes_Check(pickled) ||
-            PyDict_SetItem(st->class_cache, cls, pickled) < 0) {
+        if ((r != Py_None && !PyBytes_Check(r)) || PyDict_SetItem(st->class_cache, cls, r) < 0) {
             Py_DECREF(r);
             if (!PyErr_Occurred())
                 PyErr_SetString(PyExc_TypeError, "fastloader: cannot pickle namedtuple class");
             return -1;
         }
+        pickled = r;
         Py_DECREF(r); /* the cache keeps `pickled` alive */
     }
+    if (pickled == Py_None)
+        return 1;
+    int state = has_instance_state(o);
+    if (state != 0)
+        return state;
     if (put_u8(p, T_NAMEDTUPLE) < 0 || put_u64(p, (uint64_t)PyBytes_GET_SIZE(pickled)) < 0 ||
         put(p, PyBytes_AS_STRING(pickled), (size_t)PyBytes_GET_SIZE(pickled)) < 0)
         return -1;
@@ -773,7 +801,8 @@ plan_compound(fl_state *st, fl_plan *p, PyObject *o, int depth)
                 return -1;
             int rc = plan_namedtuple(st, p, o, depth);
             Py_LeaveRecursiveCall();
-            return rc;
+            if (rc <= 0)
+                return rc;
         }
     }
     return plan_pickle(st, p, o, depth);
@@ -1260,7 +1289,12 @@ dec_tagged(dec *d, uint8_t tag, int depth)
                                     depth, 0);
         if (items == NULL)
             return NULL;
-        PyObject *r = PyObject_Call(cls, items, NULL);
+        /* pickle's rebuild: cls.__new__(cls, *fields), and no __init__ (a class's
+           tp_new calls its __new__) */
+        PyTypeObject *tp = (PyTypeObject *)cls;
+        PyObject *r = tp->tp_new ? tp->tp_new(tp, items, NULL)
+                                 : PyErr_Format(PyExc_TypeError, "cannot create '%.100s' instances",
+                                                tp->tp_name);
         Py_DECREF(items);
         return r;
     }

@@ -8,22 +8,24 @@
 #include <sys/mman.h>
 
 PyDoc_STRVAR(set_hooks_doc,
-"set_hooks(tensor_type, stack_type, export, plan, fill, to_tensor, dumps, loads)\n--\n\n"
-"Register the Python side of the codec: how tensors become arrays and back, and\n"
-"how anything else is pickled with its tensors kept out of band.");
+"set_hooks(tensor_type, stack_type, export, plan, fill, to_tensor, dumps, loads,\n"
+"          namedtuple)\n--\n\n"
+"Register the Python side of the codec: how tensors become arrays and back, how\n"
+"anything else is pickled with its tensors kept out of band, and which namedtuple\n"
+"classes travel as their fields.");
 
 static PyObject *
 set_hooks(PyObject *module, PyObject *args)
 {
     fl_state *st = fl_state_of_module(module);
-    PyObject *h[8];
-    if (!PyArg_ParseTuple(args, "OOOOOOOO", &h[0], &h[1], &h[2], &h[3], &h[4], &h[5], &h[6],
-                          &h[7]))
+    PyObject *h[9];
+    if (!PyArg_ParseTuple(args, "OOOOOOOOO", &h[0], &h[1], &h[2], &h[3], &h[4], &h[5], &h[6],
+                          &h[7], &h[8]))
         return NULL;
-    PyObject **slots[8] = {&st->tensor_type, &st->stack_type, &st->hook_export,
-                           &st->hook_plan,   &st->hook_fill,  &st->hook_to_tensor,
-                           &st->hook_dumps,  &st->hook_loads};
-    for (int i = 0; i < 8; i++)
+    PyObject **slots[9] = {&st->tensor_type, &st->stack_type,     &st->hook_export,
+                           &st->hook_plan,   &st->hook_fill,      &st->hook_to_tensor,
+                           &st->hook_dumps,  &st->hook_loads,     &st->hook_namedtuple};
+    for (int i = 0; i < 9; i++)
         Py_XSETREF(*slots[i], Py_NewRef(h[i]));
     Py_RETURN_NONE;
 }

@@ -94,6 +94,7 @@ module_traverse(PyObject *m, visitproc visit, void *arg)
     Py_VISIT(st->hook_to_tensor);
     Py_VISIT(st->hook_dumps);
     Py_VISIT(st->hook_loads);
+    Py_VISIT(st->hook_namedtuple);
     Py_VISIT(st->class_cache);
     Py_VISIT(st->from_numpy);
     return 0;
@@ -117,6 +118,7 @@ module_clear(PyObject *m)
     Py_CLEAR(st->hook_to_tensor);
     Py_CLEAR(st->hook_dumps);
     Py_CLEAR(st->hook_loads);
+    Py_CLEAR(st->hook_namedtuple);
     Py_CLEAR(st->class_cache);
     Py_CLEAR(st->from_numpy);
     return 0;

@@ -24,7 +24,9 @@ typedef struct {
     PyObject *hook_to_tensor;  /* (ndarray, dtype_code, requires_grad) -> tensor */
     PyObject *hook_dumps;      /* obj -> (bytes, [out-of-band tensors]) */
     PyObject *hook_loads;      /* (buffer, [tensors]) -> obj */
-    PyObject *class_cache;     /* pickled class bytes -> class, for namedtuples */
+    PyObject *hook_namedtuple; /* namedtuple class -> its pickle, or None: pickle instances */
+    PyObject *class_cache;     /* namedtuple class -> hook_namedtuple's answer (worker);
+                                  pickled class bytes -> class (main process) */
     PyObject *from_numpy;      /* torch.from_numpy: the whole decode for plain dtypes */
     uint8_t plain_code[64];    /* dtype codes that from_numpy alone gets right */
 } fl_state;

@@ -9,7 +9,9 @@ through pickle.
 """
 from __future__ import annotations
 
+import collections
 import copyreg
+import inspect
 import io
 import multiprocessing.connection  # noqa: F401  (registers Connection's reducer)
 import pickle
@@ -317,7 +319,36 @@ def loads(data, oob):
     return _OutOfBandUnpickler(io.BytesIO(data), oob).load()
 
 
+# What pickle consults to rebuild an instance. A class made by
+# collections.namedtuple() defines __getnewargs__ (its fields) and inherits the
+# rest, so pickle rebuilds its instances with cls.__new__(cls, *fields) plus their
+# __dict__, which the codec does without pickling each instance.
+_PICKLE_MEMBERS = ("__reduce_ex__", "__reduce__", "__getnewargs_ex__", "__getnewargs__",
+                   "__getstate__", "__setstate__")
+_PLAIN_NAMEDTUPLE = collections.namedtuple("_PLAIN_NAMEDTUPLE", "field")
+
+
+def _same_member(mine, plain):
+    # each namedtuple class has its own __getnewargs__ function, all of one code
+    return mine is plain or (hasattr(mine, "__code__")
+                             and getattr(mine, "__code__") is getattr(plain, "__code__", None))
+
+
+def namedtuple_class(cls):
+    """The pickled class, if pickle would rebuild this namedtuple class's instances
+    from their fields alone (the C encoder asks once per class, in the worker);
+    None if the class pickles its own way (its own reduce, getnewargs or state
+    methods, or a reducer registered for it), and its instances travel pickled."""
+    if cls in copyreg.dispatch_table or cls in _forking_reducers():
+        return None
+    for name in _PICKLE_MEMBERS:
+        if not _same_member(inspect.getattr_static(cls, name, None),
+                            inspect.getattr_static(_PLAIN_NAMEDTUPLE, name, None)):
+            return None
+    return dumps(cls)[0]
+
+
 _core.set_hooks(torch.Tensor, DeferredStack, export_tensor, plan_stack, fill_stack,
-                to_tensor, dumps, loads)
+                to_tensor, dumps, loads, namedtuple_class)
 _core.set_fast_tensor(torch.from_numpy,
                       bytes(code for code in range(len(DTYPES)) if not _NEEDS_VIEW[code]))

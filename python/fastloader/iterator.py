@@ -192,7 +192,8 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         self._tasks_outstanding = 0
         self._workers_status = [True] * self._num_workers
         self._workers_num_tasks = [0] * self._num_workers
-        # per worker, in order, the tasks its ring had no room for yet (_send_task)
+        # per worker, in order, the tasks its ring had no room for yet (_offer keeps
+        # them, _send_unsent sends them before the next wait)
         self._unsent = [collections.deque() for _ in range(self._num_workers)]
         self._unsent_count = 0
         # torch cycles with itertools.cycle; an explicit position can be saved

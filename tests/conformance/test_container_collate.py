@@ -57,3 +57,26 @@ def test_samples_handed_over_as_a_tuple_get_torchs_batches():
     assert theirs[1][0]["y"].dtype == torch.float32
     for mine, torchs in zip(ours[1], theirs[1]):
         assert_same_batches(torchs, mine)
+
+
+def _namedtuple_outcome(cls, kind, context):
+    loader = cls(cd.Pairs(), batch_size=4, num_workers=2, multiprocessing_context=context,
+                 collate_fn=cd.built_namedtuple(kind))
+    return [(type(b), tuple(b), getattr(b, "__dict__", None), getattr(b, "note", None))
+            for b in collect(loader, seconds=120)]
+
+
+@pytest.mark.parametrize("kind", ["Where", "Noted", "Reduced", "Registered", "Plain"])
+def test_namedtuple_instances_arrive_as_torchs_pickle_delivers_them(kind):
+    """torch's queue pickles a namedtuple instance: cls.__new__ on the fields (or
+    the class's own __reduce__), then the instance's __dict__; its
+    __init__ does not run again in the main process."""
+    theirs = _namedtuple_outcome(TorchDataLoader, kind, "fork")
+    ours = _namedtuple_outcome(DataLoader, kind, "fork")
+    assert len(ours) == len(theirs) == 3
+    for (mtype, mfields, mdict, mnote), (ttype, tfields, tdict, tnote) in zip(ours, theirs):
+        assert mtype is ttype
+        assert (mdict, mnote) == (tdict, tnote)
+        assert len(mfields) == len(tfields)
+        for mine, torchs in zip(mfields, tfields):
+            assert_same_batches(torchs, mine)

@@ -1,9 +1,10 @@
 """Samples whose container types run their own code on what default_collate puts in
 them (tests/conformance/test_container_collate.py); importable by spawned workers."""
 import collections
+from multiprocessing.reduction import ForkingPickler
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, get_worker_info
 
 from fastloader import CollatedSamples
 
@@ -109,3 +110,64 @@ class TupleOfCastDicts(Dataset):
 
     def __getitems__(self, indices):
         return tuple(CastDict(y=i) for i in indices)
+
+
+# Namedtuple instances in a batch: torch's queue pickles them, so the main process
+# gets cls.__new__(cls, *fields) plus the instance's state, and no __init__ runs.
+class Where(collections.namedtuple("Where", "x y")):
+    """A namedtuple subclass whose __init__ records the process it ran in."""
+
+    def __init__(self, x, y):
+        self.built_in = "worker" if get_worker_info() is not None else "main"
+
+
+class Noted(collections.namedtuple("Noted", "x y")):
+    """A namedtuple subclass given an attribute after it is built (pickle's state
+    carries it; a tuple subclass cannot have slots of its own)."""
+
+
+class Reduced(collections.namedtuple("Reduced", "x y")):
+    """A namedtuple that pickles through its own __reduce__."""
+
+    __slots__ = ()
+
+    def __reduce__(self):
+        return (Reduced, (self.x, "reduced"))
+
+
+class Registered(collections.namedtuple("Registered", "x y")):
+    """A namedtuple with a reducer registered with ForkingPickler (torch's queue
+    pickles through it)."""
+
+    __slots__ = ()
+
+
+def _reduce_registered(made):
+    return Registered, (made.x, "registered")
+
+
+ForkingPickler.register(Registered, _reduce_registered)
+
+
+def built_namedtuple(kind):
+    """collate_fn: the batch's first sample's tensor and index in the class `kind`,
+    with what the kind sets after construction (the collate runs in the worker)."""
+    def collate(batch):
+        x, i = torch.stack([b[0] for b in batch]), batch[0][1]
+        if kind == "Noted":
+            made = Noted(x, i)
+            made.note = f"noted {i}"
+            return made
+        return {"Where": Where, "Reduced": Reduced, "Registered": Registered,
+                "Plain": Plain}[kind](x, i)
+    return collate
+
+
+class Pairs(Dataset):
+    """(tensor, index) samples."""
+
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        return torch.tensor([i, i + 1]), i
