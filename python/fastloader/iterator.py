@@ -108,7 +108,9 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             self._epoch = resume_state["epoch"] - 1
         context = loader.multiprocessing_context
         if context is None:
-            context = torch.multiprocessing.get_context()
+            # the default context itself, as torch's iterator uses: its workers are
+            # multiprocessing.Process ("Process-N"), not the start method's class
+            context = torch.multiprocessing
         # a big Python list/dict in the dataset costs every worker a copy
         warn_if_heavy_metadata(self._dataset, self._num_workers, context)
         max_tasks = self._prefetch_factor * self._num_workers

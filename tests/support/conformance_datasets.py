@@ -215,7 +215,7 @@ class ProcessEnvDataset(Dataset):
 class StartMethodDataset(Dataset):
     """Tells how its worker was started: a forked worker sees the main process's
     START_MARKER, a spawned one is our child but re-imported this module, and a
-    forkserver one is the forkserver's child."""
+    forkserver one is the forkserver's child; and which Process class started it."""
 
     def __init__(self, token, main_pid, n=2):
         self.token = token
@@ -234,7 +234,11 @@ class StartMethodDataset(Dataset):
             method = "spawn"
         else:
             method = "forkserver"
-        return {"index": index, "method": method}
+        # the worker's Process class shows in its name ("Process-3" from the
+        # default context, "SpawnProcess-3" from a spawn context...; the number
+        # counts every process started before, so it is left out)
+        kind = multiprocessing.current_process().name.rsplit("-", 1)[0]
+        return {"index": index, "method": method, "process_kind": kind}
 
 
 class GetitemsDataset(Dataset):
