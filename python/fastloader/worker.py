@@ -233,11 +233,18 @@ class _Loop:
 
     # -- handlers ------------------------------------------------------------------
     def on_resume(self, seq, payload):
-        """Persistent workers: a new epoch restarts the replica as torch does."""
+        """Persistent workers: a new epoch restarts the replica as torch does. An
+        error in an IterableDataset's __iter__ is the epoch's first batch's, as in
+        the first epoch (torch's worker exits on it instead, "exited unexpectedly")."""
         self.iteration_end, self.done = False, 0
         if payload:
             self.dataset = _seed_datapipe(self.dataset, pickle.loads(payload))
-        self._new_fetcher()
+        try:
+            self._new_fetcher()
+        except Exception:
+            self.fetcher = None   # as after a failed start: later batches fail too
+            self.init_error = _wrap_exception(self.wid, -1, None,
+                                              context="in the dataset's __iter__")
         self.chan.publish(RES_RESUMED, seq)
 
     def on_control(self, message):

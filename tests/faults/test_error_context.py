@@ -108,3 +108,35 @@ def test_an_iterable_datasets_iter_error_names_iter_not_worker_init_fn():
     assert "in DataLoader worker process 0 (in the dataset's __iter__)" in message, message
     assert "worker_init_fn" not in message, message
     assert "no shard for this worker" in message, message
+
+
+class _IterRaisesLater(torch.utils.data.IterableDataset):
+    """Yields 0..3 in its replica's first epoch; its __iter__ raises in later ones."""
+
+    def __init__(self):
+        self.epochs = 0
+
+    def __iter__(self):
+        self.epochs += 1
+        if self.epochs > 1:
+            raise ValueError("no shard for this epoch")
+        return iter(range(4))
+
+
+def test_an_iter_error_when_persistent_workers_resume_is_raised_by_next():
+    """Persistent workers run __iter__ again at each epoch's start: its error is the
+    epoch's first batch's, naming __iter__, as in the first epoch, and the worker
+    lives on. (The worker used to exit, and iter() raised WorkerError.)"""
+    loader = DataLoader(_IterRaisesLater(), batch_size=2, num_workers=1,
+                        persistent_workers=True, multiprocessing_context="fork")
+    with deadline(60):
+        assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]
+        pids = loader._iterator.worker_pids
+        it = iter(loader)
+        with pytest.raises(ValueError) as info:
+            next(it)
+        message = str(info.value)
+        assert "in DataLoader worker process 0 (in the dataset's __iter__)" in message, message
+        assert "no shard for this epoch" in message, message
+        assert it.worker_pids == pids
+        assert all(w.is_alive() for w in it._workers)
