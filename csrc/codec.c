@@ -194,6 +194,21 @@ allowed_typenum(int t)
     return (t >= NPY_BOOL && t <= NPY_CLONGDOUBLE) || t == NPY_HALF;
 }
 
+/* The type number pickle's round trip gives: a dtype pickles as its kind and
+ * size ("i8"), which names long where long and long long have one size, so a
+ * longlong array or scalar arrives as int64 through torch's queue. */
+static int
+canonical_typenum(int t)
+{
+#if NPY_SIZEOF_LONG == NPY_SIZEOF_LONGLONG
+    if (t == NPY_LONGLONG)
+        return NPY_LONG;
+    if (t == NPY_ULONGLONG)
+        return NPY_ULONG;
+#endif
+    return t;
+}
+
 static int
 plain_array(PyArrayObject *a)
 {
@@ -237,7 +252,7 @@ plan_ndarray(fl_plan *p, PyArrayObject *a)
     fl_op *op;
     /* an F-only array travels in its own order (tagged T_ARRAY_F by the caller) */
     int contiguous = PyArray_IS_C_CONTIGUOUS(a) || PyArray_IS_F_CONTIGUOUS(a);
-    if (put_array_body(p, PyArray_TYPE(a), PyArray_NDIM(a), PyArray_DIMS(a),
+    if (put_array_body(p, canonical_typenum(PyArray_TYPE(a)), PyArray_NDIM(a), PyArray_DIMS(a),
                        (size_t)PyArray_NBYTES(a), &op,
                        contiguous ? OP_MEMCPY : OP_COPYINTO) < 0)
         return -1;
@@ -784,7 +799,7 @@ plan_compound(fl_state *st, fl_plan *p, PyObject *o, int depth)
         if (ok) {
             char buf[32];
             PyArray_ScalarAsCtype(o, buf);
-            rc = (put_u8(p, T_NPSCALAR) < 0 || put_i32(p, d->type_num) < 0 ||
+            rc = (put_u8(p, T_NPSCALAR) < 0 || put_i32(p, canonical_typenum(d->type_num)) < 0 ||
                   put_u64(p, (uint64_t)PyDataType_ELSIZE(d)) < 0 || put(p, buf, (size_t)PyDataType_ELSIZE(d)) < 0)
                      ? -1
                      : 0;

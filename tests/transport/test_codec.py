@@ -368,3 +368,21 @@ def test_a_memo_mark_before_a_reference_is_refused_and_deep_batches_still_decode
     bad[ref_at + 1] = memo_tag                   # mark followed by a mark
     with pytest.raises(ValueError, match="corrupt"):
         _core.decode(bytes(bad))
+
+
+NUMPY_TYPES = [np.bool_, np.byte, np.ubyte, np.short, np.ushort, np.intc, np.uintc, np.int_,
+               np.uint, np.longlong, np.ulonglong, np.half, np.single, np.double,
+               np.longdouble, np.csingle, np.cdouble, np.clongdouble]
+
+
+@pytest.mark.parametrize("kind", NUMPY_TYPES, ids=[t.__name__ for t in NUMPY_TYPES])
+def test_numpy_scalars_and_arrays_arrive_with_the_types_pickle_gives(kind):
+    """torch's queue pickles them: a longlong scalar arrives as an int64 (pickle
+    names the dtype by its size, which on LP64 is long's), an array as an array of
+    that dtype."""
+    scalar, array = kind(3), np.arange(4).astype(kind)
+    for obj in (scalar, array, np.asfortranarray(np.arange(6).reshape(2, 3).astype(kind))):
+        theirs, ours = pickle.loads(pickle.dumps(obj)), _core.decode(_core.encode(obj))
+        assert type(ours) is type(theirs)
+        assert ours.dtype.num == theirs.dtype.num, (ours.dtype, theirs.dtype)
+        assert np.array_equal(ours, theirs)
