@@ -61,6 +61,27 @@ for _name in _OPTIONAL_RAW:
     _t = getattr(torch, _name, None)
     if _t is not None:
         _register(_t, _RAW_BY_WIDTH[_t.itemsize], True)
+
+
+def _viewable_as_bytes(dtype) -> bool:
+    """Whether a tensor of `dtype` can be made, viewed as integers of its width and
+    back (sub-byte and quantized dtypes cannot)."""
+    try:
+        t = torch.empty(2, dtype=dtype)
+        return t.view(DTYPES[CODE[_RAW_TORCH_BY_WIDTH[dtype.itemsize]]]).view(dtype).dtype == dtype
+    except (RuntimeError, TypeError, KeyError, NotImplementedError):
+        return False
+
+
+# Any other dtype this torch has (float4_e2m1fn_x2, the one-byte shells uint1-7 and
+# int1-7, and those later versions add) travels as its bytes too, where its tensors
+# can be viewed as raw integers. Not the quantized ones (torch.q*): a quantized
+# tensor is pickled with its scales (see exportable), and making one warns.
+_RAW_TORCH_BY_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+for _t in sorted({d for d in vars(torch).values() if isinstance(d, torch.dtype)}, key=str):
+    if _t not in CODE and _t.itemsize in _RAW_BY_WIDTH and not str(_t).startswith("torch.q") \
+            and _viewable_as_bytes(_t):
+        _register(_t, _RAW_BY_WIDTH[_t.itemsize], True)
 _TYPENUM = [d.num for d in _STORAGE]   # code -> NumPy typenum of the bytes
 
 
