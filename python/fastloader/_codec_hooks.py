@@ -77,10 +77,13 @@ def _viewable_as_bytes(dtype) -> bool:
 # int1-7, and those later versions add) travels as its bytes too, where its tensors
 # can be viewed as raw integers. Not the quantized ones (torch.q*): a quantized
 # tensor is pickled with its scales (see exportable), and making one warns.
+# Codes stop at the C encoder's limit: a dtype beyond it is pickled, as unknown
+# ones were before.
 _RAW_TORCH_BY_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_MAX_CODES = 64   # csrc/codec.c refuses a dtype code >= 64 (state.h: plain_code[64])
 for _t in sorted({d for d in vars(torch).values() if isinstance(d, torch.dtype)}, key=str):
-    if _t not in CODE and _t.itemsize in _RAW_BY_WIDTH and not str(_t).startswith("torch.q") \
-            and _viewable_as_bytes(_t):
+    if len(DTYPES) < _MAX_CODES and _t not in CODE and _t.itemsize in _RAW_BY_WIDTH \
+            and not str(_t).startswith("torch.q") and _viewable_as_bytes(_t):
         _register(_t, _RAW_BY_WIDTH[_t.itemsize], True)
 _TYPENUM = [d.num for d in _STORAGE]   # code -> NumPy typenum of the bytes
 
@@ -344,8 +347,9 @@ def loads(data, oob):
 # collections.namedtuple() defines __getnewargs__ (its fields) and inherits the
 # rest, so pickle rebuilds its instances with cls.__new__(cls, *fields) plus their
 # __dict__, which the codec does without pickling each instance.
+# (__iter__ too: __getnewargs__ is tuple(self), which iterates through it)
 _PICKLE_MEMBERS = ("__reduce_ex__", "__reduce__", "__getnewargs_ex__", "__getnewargs__",
-                   "__getstate__", "__setstate__")
+                   "__getstate__", "__setstate__", "__iter__")
 _PLAIN_NAMEDTUPLE = collections.namedtuple("_PLAIN_NAMEDTUPLE", "field")
 
 
@@ -358,8 +362,10 @@ def _same_member(mine, plain):
 def namedtuple_class(cls):
     """The pickled class, if pickle would rebuild this namedtuple class's instances
     from their fields alone (the C encoder asks once per class, in the worker);
-    None if the class pickles its own way (its own reduce, getnewargs or state
-    methods, or a reducer registered for it), and its instances travel pickled."""
+    None if the class pickles its own way (its own reduce, getnewargs, state or
+    iteration methods, or a reducer registered for it), and its instances travel
+    pickled. The answer is kept for the worker's life: a reducer registered for the
+    class after its first instance was sent is not seen."""
     if cls in copyreg.dispatch_table or cls in _forking_reducers():
         return None
     for name in _PICKLE_MEMBERS:

@@ -66,7 +66,7 @@ def _namedtuple_outcome(cls, kind, context):
             for b in collect(loader, seconds=120)]
 
 
-@pytest.mark.parametrize("kind", ["Where", "Noted", "Reduced", "Registered", "Plain"])
+@pytest.mark.parametrize("kind", ["Where", "Noted", "Reduced", "Registered", "Reversed", "Plain"])
 def test_namedtuple_instances_arrive_as_torchs_pickle_delivers_them(kind):
     """torch's queue pickles a namedtuple instance: cls.__new__ on the fields (or
     the class's own __reduce__), then the instance's __dict__; its

@@ -135,6 +135,15 @@ class Reduced(collections.namedtuple("Reduced", "x y")):
         return (Reduced, (self.x, "reduced"))
 
 
+class Reversed(collections.namedtuple("Reversed", "x y")):
+    """A namedtuple that iterates backwards (pickle's __getnewargs__ iterates)."""
+
+    __slots__ = ()
+
+    def __iter__(self):
+        return reversed(tuple(tuple.__iter__(self)))
+
+
 class Registered(collections.namedtuple("Registered", "x y")):
     """A namedtuple with a reducer registered with ForkingPickler (torch's queue
     pickles through it)."""
@@ -159,7 +168,7 @@ def built_namedtuple(kind):
             made.note = f"noted {i}"
             return made
         return {"Where": Where, "Reduced": Reduced, "Registered": Registered,
-                "Plain": Plain}[kind](x, i)
+                "Reversed": Reversed, "Plain": Plain}[kind](x, i)
     return collate
 
 
