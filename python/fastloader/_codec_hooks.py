@@ -15,6 +15,7 @@ import inspect
 import io
 import multiprocessing.connection  # noqa: F401  (registers Connection's reducer)
 import pickle
+import warnings
 from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
@@ -64,11 +65,15 @@ for _name in _OPTIONAL_RAW:
 
 
 def _viewable_as_bytes(dtype) -> bool:
-    """Whether a tensor of `dtype` can be made, viewed as integers of its width and
-    back (sub-byte and quantized dtypes cannot)."""
+    """Whether integers of `dtype`'s width can be viewed as `dtype` and back, shape
+    kept. Viewed, not made: making a tensor of an experimental dtype (complex32,
+    torch 2.14's bcomplex32) warns, and importing fastloader must not."""
     try:
-        t = torch.empty(2, dtype=dtype)
-        return t.view(DTYPES[CODE[_RAW_TORCH_BY_WIDTH[dtype.itemsize]]]).view(dtype).dtype == dtype
+        raw = torch.empty(2, dtype=_RAW_TORCH_BY_WIDTH[dtype.itemsize])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            back = raw.view(dtype).view(raw.dtype)
+        return back.dtype == raw.dtype and back.shape == raw.shape
     except (RuntimeError, TypeError, KeyError, NotImplementedError):
         return False
 
