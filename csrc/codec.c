@@ -290,15 +290,22 @@ add_storage(fl_plan *p, uintptr_t ptr, size_t nbytes, PyObject *storage)
     return (Py_ssize_t)p->nstor++;
 }
 
-/* The storage entry of the bytes at `ptr`: the same one for every tensor on them */
+/* The storage entry of the bytes at `ptr`: the same one for every tensor on them.
+ * No address tells an empty storage apart, but torch keeps one storage object per
+ * storage while it lives (the entry holds it): the same object is the same
+ * storage, shared as torch's transport shares it, and two empty ones stay two.
+ * Those are keyed by a 1-tuple of the object's address, which no data_ptr key
+ * (an int) equals. */
 static Py_ssize_t
 find_storage(fl_plan *p, uintptr_t ptr, size_t nbytes, PyObject *storage)
 {
-    if (ptr == 0 || nbytes == 0) /* empty storages are never shared (nor by torch) */
+    int empty = ptr == 0 || nbytes == 0;
+    if (empty && storage == NULL)
         return add_storage(p, ptr, nbytes, storage);
     if (p->stor_index == NULL && (p->stor_index = PyDict_New()) == NULL)
         return -1;
-    PyObject *key = PyLong_FromSize_t((size_t)ptr);
+    PyObject *key = empty ? Py_BuildValue("(N)", PyLong_FromVoidPtr(storage))
+                          : PyLong_FromSize_t((size_t)ptr);
     if (key == NULL)
         return -1;
     Py_ssize_t idx = -1;
@@ -359,7 +366,10 @@ plan_tensor(fl_state *st, fl_plan *p, PyObject *t, int depth)
         goto done;
     size_t k = (size_t)PyDataType_ELSIZE(descr);
     Py_DECREF(descr);
-    /* numel, contiguity (size-1 dims do not count, as for torch) and the last element */
+    /* numel, the last element, and whether the strides are exactly the C-order ones
+     * the decoder's whole-storage tensor gets (NumPy's: every dim counts, a size-1
+     * one too). torch's is_contiguous() ignores size-1 dims, but its transport keeps
+     * their strides, which tell channels_last from contiguous when C == 1. */
     size_t numel = 1, maxel = (size_t)offset;
     int64_t expect = 1;
     int contiguous = 1;
@@ -372,7 +382,7 @@ plan_tensor(fl_state *st, fl_plan *p, PyObject *t, int depth)
             export_error("negative size or stride");
             goto done;
         }
-        if (sizes[i] != 1 && strides[i] != expect)
+        if (strides[i] != expect)
             contiguous = 0;
         if (__builtin_mul_overflow(expect, sizes[i], &expect) ||
             __builtin_mul_overflow(numel, (size_t)sizes[i], &numel)) {
@@ -398,7 +408,9 @@ plan_tensor(fl_state *st, fl_plan *p, PyObject *t, int depth)
         tbytes = numel * k;
     }
     else {
-        contiguous = 1;
+        /* no elements: any strides are valid, and the decoder's (NumPy's) differ by
+         * version, so they travel as they are */
+        contiguous = 0;
     }
     Py_ssize_t sidx = find_storage(p, (uintptr_t)ptr, (size_t)snbytes, storage);
     if (sidx < 0)
@@ -1102,8 +1114,9 @@ dec_tensor(dec *d)
     if (arr == NULL)
         return NULL;
     PyObject *t;
-    if (!rg && d->st->plain_code[code] && d->st->from_numpy) {
-        /* the common case, without a Python-level call per tensor */
+    if (!rg && d->st->plain_code[code] && d->st->from_numpy && nbytes > 0) {
+        /* the common case, without a Python-level call per tensor (the hook gives a
+         * tensor of no bytes a resizable storage of its own, as torch's transport does) */
         t = PyObject_CallOneArg(d->st->from_numpy, arr);
     }
     else {

@@ -139,8 +139,12 @@ def to_tensor(arr, code, requires_grad, offset=None, size=None, stride=None):
     With offset/size/stride: `arr` is a tensor whose storage to share, or a uint8
     ndarray over the bytes of a new storage; the result is a view of that storage."""
     if offset is not None:
-        storage = (arr.untyped_storage() if isinstance(arr, torch.Tensor)
-                   else torch.from_numpy(arr).untyped_storage())
+        if isinstance(arr, torch.Tensor):
+            storage = arr.untyped_storage()
+        elif arr.size:
+            storage = torch.from_numpy(arr).untyped_storage()
+        else:
+            storage = torch.UntypedStorage(0)   # see _no_bytes below
         t = torch.empty(0, dtype=DTYPES[code]).set_(storage, offset, size, stride)
         if requires_grad:
             t.requires_grad_(True)
@@ -151,9 +155,20 @@ def to_tensor(arr, code, requires_grad, offset=None, size=None, stride=None):
         t = torch.from_numpy(arr).view(DTYPES[code])
     else:
         t = torch.from_numpy(arr)
+    if not arr.size:
+        t = _no_bytes(t)
     if requires_grad:
         t.requires_grad_(True)
     return t
+
+
+def _no_bytes(t):
+    """A tensor of no bytes on a new storage of its own, as torch's transport
+    rebuilds an empty storage (a plain one, resizable: `resize_` and `out=` work on
+    it), not a view of the slot (NumPy's memory, which cannot grow)."""
+    # torch's contiguous strides, not NumPy's (which differ by version for no
+    # elements): such a tensor is a collated batch, which torch.stack made
+    return torch.empty(t.shape, dtype=t.dtype)
 
 
 # How a deferred stack fills its slot memory (DeferredStack.how)
@@ -307,6 +322,7 @@ def _storage_bytes(storage):
 
 
 def _rebuild_untyped_storage(data):
+    # (`data` of no bytes already has a resizable storage of its own: see _no_bytes)
     return data.untyped_storage()
 
 

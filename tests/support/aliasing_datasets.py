@@ -129,6 +129,29 @@ def containers_holding_themselves(t, view):
     return {"loop": loop, "table": table, "pair": pair, "t": t}
 
 
+def zero_size(i):
+    # torch's transport rebuilds a storage of no bytes as a new, resizable one
+    # (rebuild_storage_empty): the batch's empty tensors can be resized or used as out=
+    z = torch.zeros(0, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)   # TypedStorage is deprecated
+        typed = torch.empty(0, dtype=torch.int16).storage()
+    return {"e": torch.empty(0, dtype=torch.int64), "z": z, "z_again": z, "z_view": z.view(3, 0),
+            "grad": torch.zeros(0, requires_grad=True), "full": torch.ones(2) * i,
+            "storage": torch.UntypedStorage(0), "typed": typed, "storage_of_z": z.untyped_storage(),
+            "collated": torch.stack([torch.zeros(0, 2), torch.zeros(0, 2)])}
+
+
+def odd_strides(i):
+    # contiguous but for the strides of size-1 dims (or of no elements at all):
+    # torch's transport keeps every stride as it was
+    col = torch.arange(3.0).reshape(3, 1) + i
+    return {"row": col.t(), "mid": torch.ones(2, 1, 3).transpose(0, 1).contiguous().transpose(0, 1),
+            "unit": torch.ones(1, 1).as_strided((1, 1), (5, 7)),
+            "gray_channels_last": torch.empty(2, 1, 4, 4, memory_format=torch.channels_last).fill_(i),
+            "empty_t": torch.zeros(2, 0).t(), "np_empty": torch.from_numpy(np.zeros((2, 0)))}
+
+
 def recursive(i):
     # the cycles through a list, a dict and a tuple, one of them twice in the batch
     t = torch.arange(4.0) + i
@@ -141,7 +164,7 @@ CASES = [
     same_tensor_twice, labels_is_input_ids, view_and_base, views_without_base,
     slices_with_offsets, non_contiguous, expanded, dtype_views, fortran_arrays,
     numpy_views, requires_grad, containers_twice, pickled_object_sharing, nested_tensors,
-    storages, recursive,
+    storages, zero_size, odd_strides, recursive,
 ]
 CASE_NAMES = [c.__name__ for c in CASES]
 
@@ -179,3 +202,15 @@ class FailsToUnpickle:
 
 def unpickling_fails_collate(indices):
     return {"x": torch.ones(2), "bad": FailsToUnpickle()}
+
+
+class EmptySamples(Dataset):
+    """Samples with tensors and arrays of no elements, for the default collate: the
+    batch's empty tensors are stacked into the slot like any other."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return {"t": torch.zeros(0, 3), "a": np.zeros((2, 0)), "e": torch.empty(0, dtype=torch.int64),
+                "full": torch.ones(3) * i}

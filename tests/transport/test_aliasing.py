@@ -35,8 +35,15 @@ CONFIGS = [(ctx, s) for ctx in ("fork", "spawn") for s in STRATEGIES]
 
 # ---- a batch as a structural description ---------------------------------------------
 
-def describe(batch):
+def describe(batch, empty_as_resizable=False):
+    """`empty_as_resizable`: for torch's loader under its file_system strategy, which
+    maps even a storage of no bytes from a file, so that it cannot be resized;
+    under its default strategy such a storage is a plain, resizable one, and that
+    is what fastloader delivers under either."""
     ids, storages, arrays, out = {}, {}, [], []
+
+    def resizable(s):
+        return s.resizable() or (empty_as_resizable and s.nbytes() == 0)
 
     def tensor(t):
         if t.is_nested:
@@ -46,7 +53,7 @@ def describe(batch):
         group = storages.setdefault(s._cdata, len(storages))
         return ("tensor", type(t).__name__, str(t.dtype), tuple(t.shape), t.stride(),
                 t.storage_offset(), t.is_contiguous(), t.requires_grad, t.is_leaf,
-                "storage", group, s.nbytes(),
+                "storage", group, s.nbytes(), resizable(s),
                 t.data_ptr() - s.data_ptr() if t.numel() else None,
                 t.detach().tolist())
 
@@ -80,7 +87,7 @@ def describe(batch):
             u = o if isinstance(o, torch.UntypedStorage) else o._untyped_storage
             group = storages.setdefault(u._cdata, len(storages))
             out.append((path, type(o).__name__, str(getattr(o, "dtype", None)), "storage",
-                        group, u.nbytes(), u.device.type, bytes(u.tolist())))
+                        group, u.nbytes(), resizable(u), u.device.type, bytes(u.tolist())))
         else:
             out.append((path, type(o).__name__, o))
 
@@ -130,7 +137,7 @@ def results(ctx, strategy):
         ref, got, outside = {}, {}, {}
 
         def torch_batch(i, batch, it):
-            ref[i] = describe(batch)
+            ref[i] = describe(batch, empty_as_resizable=strategy == "file_system")
 
         def fast_batch(i, batch, it):
             got[i] = describe(batch)
@@ -298,3 +305,26 @@ def test_same_object_twice_stays_one_object_in_the_codec():
     # pickle (torch's transport) agrees on every identity above
     ref = pickle.loads(pickle.dumps((t, {"t": t, "l": lst}, lst, [lst])))
     assert ref[0] is ref[1]["t"] and ref[1]["l"] is ref[2] and ref[3][0] is ref[2]
+
+
+@pytest.mark.parametrize("batch_size", [2, None], ids=["collated", "unbatched"])
+def test_empty_batch_tensors_can_be_resized_as_torchs(batch_size):
+    """torch's transport gives a tensor of no bytes a plain storage (resize_ and out=
+    work on it): default-collated and unbatched, fastloader's are the same."""
+    def first(make):
+        loader = make(ad.EmptySamples(), batch_size=batch_size, num_workers=1,
+                      multiprocessing_context="fork")
+        with deadline(60):
+            batch = next(iter(loader))
+        seen = {}
+        for k, t in batch.items():
+            seen[k] = (tuple(t.shape), t.stride(), t.untyped_storage().resizable())
+            if not t.numel():
+                torch.add(torch.ones(2, dtype=t.dtype), 1, out=t)   # resizes its out= tensor
+                seen[k] += (t.tolist(),)
+        return seen
+
+    expected = with_torch_strategy("file_descriptor", lambda: first(torch.utils.data.DataLoader))
+    got = first(lambda *a, **k: fastloader.DataLoader(*a, sharing_strategy="file_descriptor", **k))
+    assert expected["t"][2] and not expected["full"][2], expected
+    assert got == expected
