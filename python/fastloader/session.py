@@ -7,7 +7,7 @@ hands it to each iterator it makes, and the iterator reports to it (``ended``).
 Iterators never import the loader, and the loader never reads an iterator's
 private fields.
 
-Sessions live outside the loader's ``__dict__`` (one weak map, here), so pickling,
+Sessions live outside the loader's ``__dict__`` (one map by id, here), so pickling,
 copying or deep-copying a loader behaves exactly as with torch: a copy starts
 with no session of its own."""
 from __future__ import annotations
@@ -54,12 +54,18 @@ class LoaderSession:
         return state
 
 
-_SESSIONS: "weakref.WeakKeyDictionary[Any, LoaderSession]" = weakref.WeakKeyDictionary()
+# Keyed by id(), not by the loader: a DataLoader subclass may define __eq__ (and
+# so be unhashable, as a dataclass is) or make two loaders equal, and neither may
+# change what a loader iterates or whose state it reports. The entry goes when the
+# loader does (finalize runs before its id can be reused).
+_SESSIONS: "dict[int, LoaderSession]" = {}
 
 
 def session_of(loader) -> LoaderSession:
     """The session of `loader`, made on first use."""
-    session = _SESSIONS.get(loader)
+    key = id(loader)
+    session = _SESSIONS.get(key)
     if session is None:
-        session = _SESSIONS[loader] = LoaderSession()
+        session = _SESSIONS[key] = LoaderSession()
+        weakref.finalize(loader, _SESSIONS.pop, key, None)
     return session

@@ -39,6 +39,34 @@ def _wrap_exception(worker_id: int, seq: int, index, context=None):
                             f" ({detail})")
 
 
+def _sendable_error(wrapper, exc):
+    """A worker's error whose exception class cannot be pickled (one defined inside
+    a function): the same traceback text, raised in the main process as a
+    RuntimeError that names the class. (torch's worker cannot send it at all, and
+    its main process waits for the batch for ever, or for `timeout`.)"""
+    from torch._utils import ExceptionWrapper
+
+    cls = wrapper.exc_type
+    sendable = ExceptionWrapper.__new__(ExceptionWrapper)
+    sendable.exc_type, sendable.exc_msg = RuntimeError, wrapper.exc_msg
+    sendable.where = (f"{wrapper.where}, for a {cls.__module__}.{cls.__qualname__} that "
+                      f"cannot be pickled ({type(exc).__name__}: {exc})")
+    return sendable
+
+
+def _no_fetcher(worker_id, seq, index):
+    """A batch asked of a worker whose start failed (its worker_init_fn, or an
+    IterableDataset's __iter__, raised: that error was the first batch's). torch's
+    worker loop then fails each later batch with an UnboundLocalError (its fetcher
+    was never bound); the same type here, saying why."""
+    try:
+        raise UnboundLocalError("this worker has no fetcher: its start failed (its "
+                                "worker_init_fn or the dataset's __iter__ raised), and "
+                                "that error was raised for an earlier batch")
+    except UnboundLocalError:
+        return _wrap_exception(worker_id, seq, index)
+
+
 def _short(index) -> str:
     text = repr(index)
     return text if len(text) <= 120 else text[:117] + "..."
@@ -279,6 +307,8 @@ class _Loop:
         self.done += 1
         if self.init_error is not None:
             data, rkind, self.init_error = self.init_error, RES_ERROR, None
+        elif self.fetcher is None:
+            data, rkind = _no_fetcher(wid, seq, index), RES_ERROR
         else:
             try:
                 data, rkind = self.fetcher.fetch(index), RES_BATCH
@@ -296,8 +326,10 @@ class _Loop:
         try:
             chan.publish(rkind, seq, data)
         except Exception as exc:
-            if isinstance(exc, (pickle.PicklingError, TypeError, AttributeError)) \
-                    and not failed_in_collate(exc):
+            unpicklable = isinstance(exc, (pickle.PicklingError, TypeError, AttributeError))
+            if unpicklable and rkind == RES_ERROR:
+                chan.publish(RES_ERROR, seq, _sendable_error(data, exc))
+            elif unpicklable and not failed_in_collate(exc):
                 chan.publish(RES_ERROR, seq, _unencodable(wid, seq, index, data, exc))
             else:
                 # e.g. stacking into the slot failed (torch's collate error), or no

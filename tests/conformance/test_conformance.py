@@ -246,6 +246,41 @@ def gen(seed):
     return torch.Generator().manual_seed(seed)
 
 
+def test_a_subclass_that_defines_eq_iterates_as_torchs():
+    """A DataLoader subclass with __eq__ (so unhashable, as a dataclass is) iterates,
+    with and without workers, and two loaders that compare equal are still two."""
+    def scenario(DL):
+        class Equal(DL):
+            def __eq__(self, other):
+                return isinstance(other, Equal)
+
+        out = [[b.tolist() for b in Equal(list(range(6)), batch_size=2, num_workers=nw,
+                                          multiprocessing_context="fork" if nw else None)]
+               for nw in (0, 2)]
+        a, b = Equal(list(range(4)), batch_size=2), Equal(list(range(10, 16)), batch_size=3)
+        it_a, it_b = iter(a), iter(b)
+        out.append([next(it_a).tolist(), next(it_b).tolist(), next(it_a).tolist()])
+        return out
+
+    conform(scenario)
+
+
+def test_loaders_that_compare_equal_keep_their_own_state():
+    """fastloader's state_dict() is each loader's own, whatever __eq__ and __hash__
+    say (its per-loader state is not looked up by equality)."""
+    class SameHash(FAST):
+        def __eq__(self, other):
+            return isinstance(other, SameHash)
+
+        def __hash__(self):
+            return 1
+
+    a, b = SameHash(list(range(4)), batch_size=2), SameHash(list(range(10, 16)), batch_size=3)
+    it_a, it_b = iter(a), iter(b)
+    next(it_a), next(it_b), next(it_a)
+    assert (a.state_dict()["yielded"], b.state_dict()["yielded"]) == (2, 1)
+
+
 # ======================================================================================
 # IterableDataset
 # ======================================================================================
@@ -611,6 +646,21 @@ def test_worker_init_fn_exception_reraised_with_traceback(ctx, fail_on, exc_type
     theirs, _ = conform(scenario)
     error = theirs.value[-1]
     assert isinstance(error, Raised) and "raise_from_init" in error.normalized
+
+
+@pytest.mark.parametrize("fail_on", [0, None], ids=["one-worker", "every-worker"])
+@pytest.mark.parametrize("nw", [1, 2])
+def test_worker_init_fn_error_then_each_later_batch_of_that_worker_fails_as_torchs(nw, fail_on):
+    """The failed worker's first batch raises the init error; each of its later
+    batches fails too, with torch's type (UnboundLocalError: its loop never bound a
+    fetcher); the others' batches arrive, and the epoch ends."""
+    def scenario(DL):
+        loader = DL(cds.IndexDataset(n=6), batch_size=1, num_workers=nw,
+                    worker_init_fn=cds.FailingInit(fail_on), multiprocessing_context="fork")
+        return [r.type.__name__ if isinstance(r, Raised) else r for r in drain(iter(loader))]
+
+    theirs, _ = conform(scenario)
+    assert theirs.value.count("UnboundLocalError") >= 2, theirs.value
 
 
 @pytest.mark.parametrize("exc_type", [ValueError, KeyError, cds.TwoArgError, StopIteration])

@@ -140,3 +140,46 @@ def test_an_iter_error_when_persistent_workers_resume_is_raised_by_next():
         assert "no shard for this epoch" in message, message
         assert it.worker_pids == pids
         assert all(w.is_alive() for w in it._workers)
+
+
+def _local_error_class():
+    class LocalError(Exception):
+        pass
+    return LocalError
+
+
+class _RaisesUnpicklable(torch.utils.data.Dataset):
+    """Index 1 raises an exception whose class, made inside a function, cannot be
+    pickled (fork only: the dataset itself is never pickled)."""
+
+    def __init__(self):
+        self.error = _local_error_class()
+
+    def __len__(self):
+        return 3
+
+    def __getitem__(self, index):
+        if index == 1:
+            raise self.error("local boom")
+        return index
+
+
+def test_an_exception_whose_class_cannot_be_pickled_arrives_as_a_runtime_error():
+    """torch's worker cannot send it, and its main process waits for the batch for
+    ever (or for `timeout`); fastloader raises it in its turn as a RuntimeError that
+    names the class, with the worker's traceback, and the batches around it arrive."""
+    loader = DataLoader(_RaisesUnpicklable(), batch_size=None, num_workers=1,
+                        multiprocessing_context="fork")
+    with deadline(60):
+        it = iter(loader)
+        assert int(next(it)) == 0
+        with pytest.raises(RuntimeError) as info:
+            next(it)
+        assert int(next(it)) == 2
+        with pytest.raises(StopIteration):
+            next(it)
+    message = str(info.value)
+    assert type(info.value) is RuntimeError
+    assert "in DataLoader worker process 0 (batch 1, index 1)" in message, message
+    assert "_local_error_class.<locals>.LocalError that cannot be pickled" in message, message
+    assert "LocalError: local boom" in message and 'raise self.error("local boom")' in message
