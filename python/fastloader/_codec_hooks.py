@@ -144,31 +144,26 @@ def to_tensor(arr, code, requires_grad, offset=None, size=None, stride=None):
         elif arr.size:
             storage = torch.from_numpy(arr).untyped_storage()
         else:
-            storage = torch.UntypedStorage(0)   # see _no_bytes below
+            storage = torch.UntypedStorage(0)   # no bytes: see below
         t = torch.empty(0, dtype=DTYPES[code]).set_(storage, offset, size, stride)
         if requires_grad:
             t.requires_grad_(True)
         return t
-    if _NEEDS_VIEW[code]:
+    if not arr.size:
+        # No bytes: a new storage of its own, as torch's transport rebuilds an empty
+        # one (plain, so resize_ and out= can grow it), not a view of the slot
+        # (NumPy's memory, which cannot). torch's contiguous strides, not NumPy's
+        # (which differ by version here): such a tensor is a batch torch.stack made.
+        t = torch.empty(arr.shape, dtype=DTYPES[code])
+    elif _NEEDS_VIEW[code]:
         if arr.dtype.kind == "u":   # from_numpy may not know unsigned wide ints
             arr = arr.view(np.dtype(f"i{arr.dtype.itemsize}"))
         t = torch.from_numpy(arr).view(DTYPES[code])
     else:
         t = torch.from_numpy(arr)
-    if not arr.size:
-        t = _no_bytes(t)
     if requires_grad:
         t.requires_grad_(True)
     return t
-
-
-def _no_bytes(t):
-    """A tensor of no bytes on a new storage of its own, as torch's transport
-    rebuilds an empty storage (a plain one, resizable: `resize_` and `out=` work on
-    it), not a view of the slot (NumPy's memory, which cannot grow)."""
-    # torch's contiguous strides, not NumPy's (which differ by version for no
-    # elements): such a tensor is a collated batch, which torch.stack made
-    return torch.empty(t.shape, dtype=t.dtype)
 
 
 # How a deferred stack fills its slot memory (DeferredStack.how)
@@ -322,7 +317,7 @@ def _storage_bytes(storage):
 
 
 def _rebuild_untyped_storage(data):
-    # (`data` of no bytes already has a resizable storage of its own: see _no_bytes)
+    # (`data` of no bytes already has a resizable storage of its own: see to_tensor)
     return data.untyped_storage()
 
 
