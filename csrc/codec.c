@@ -1,6 +1,7 @@
 #define NO_IMPORT_ARRAY
 #define PY_ARRAY_UNIQUE_SYMBOL fastloader_ARRAY_API
 #include "codec.h"
+#include "identity_table.h"
 #include <numpy/arrayobject.h>
 #include <numpy/arrayscalars.h>
 #include <string.h>
@@ -84,6 +85,7 @@ struct fl_plan {
     PyObject *stor_index;     /* storage data_ptr -> index into stor */
     PyObject *memo;           /* id(obj) -> memo index, objects kept alive by `keep` */
     PyObject *keep;
+    fl_identity_table texts;  /* str and bytes objects -> memo index (plan_text) */
     uint64_t nmemo;
     fl_stab_entry *stab;      /* built by finalise */
     /* the lists, tuples and dicts being planned, outermost first: one met again
@@ -115,6 +117,7 @@ plan_clear(fl_plan *p)
     Py_XDECREF(p->stor_index);
     Py_XDECREF(p->memo);
     Py_XDECREF(p->keep);
+    fl_identity_clear(&p->texts);
     PyMem_Free(p->stor);
     PyMem_Free(p->stab);
     PyMem_Free(p->ops);
@@ -241,6 +244,7 @@ put_array_body(fl_plan *p, int typenum, int ndim, const npy_intp *dims, size_t n
 
 static int plan_obj(fl_state *st, fl_plan *p, PyObject *o, int depth);
 static int plan_memo(fl_state *st, fl_plan *p, PyObject *o, int depth);
+static int plan_text(fl_state *st, fl_plan *p, PyObject *o, int depth);
 static int plan_compound(fl_state *st, fl_plan *p, PyObject *o, int depth);
 static int plan_open(fl_state *st, fl_plan *p, PyObject *o, int depth);
 static int plan_pickle(fl_state *st, fl_plan *p, PyObject *o, int depth);
@@ -573,6 +577,12 @@ plan_seq(fl_state *st, fl_plan *p, PyObject *o, int depth)
     Py_ssize_t n = PySequence_Fast_GET_SIZE(o);
     if (put_u64(p, (uint64_t)n) < 0)
         return -1;
+    if (n > 64 && (PyUnicode_CheckExact(PySequence_Fast_GET_ITEM(o, 0)) ||
+                   PyBytes_CheckExact(PySequence_Fast_GET_ITEM(o, 0)))) {
+        /* a column of strings (file names): size their memo once, not by doubling */
+        if (fl_identity_reserve(&p->texts, p->texts.used + (size_t)n) < 0)
+            return -1;
+    }
     for (Py_ssize_t i = 0; i < n; i++)
         if (plan_obj(st, p, PySequence_Fast_GET_ITEM(o, i), depth + 1) < 0)
             return -1;
@@ -660,22 +670,46 @@ plan_obj(fl_state *st, fl_plan *p, PyObject *o, int depth)
         double d = PyFloat_AS_DOUBLE(o);
         return put_u8(p, T_FLOAT) < 0 ? -1 : put(p, &d, 8);
     }
-    if (tp == &PyUnicode_Type) {
-        Py_ssize_t n;
-        const char *s = PyUnicode_AsUTF8AndSize(o, &n);
-        if (s == NULL) { /* lone surrogates: pickle keeps them */
-            PyErr_Clear();
-            return plan_pickle(st, p, o, depth);
-        }
-        return (put_u8(p, T_STR) < 0 || put_u64(p, (uint64_t)n) < 0) ? -1 : put(p, s, (size_t)n);
-    }
-    if (tp == &PyBytes_Type) {
-        Py_ssize_t n = PyBytes_GET_SIZE(o);
-        return (put_u8(p, T_BYTES) < 0 || put_u64(p, (uint64_t)n) < 0)
-                   ? -1
-                   : put(p, PyBytes_AS_STRING(o), (size_t)n);
-    }
+    if (tp == &PyUnicode_Type || tp == &PyBytes_Type)
+        return plan_text(st, p, o, depth);
     return plan_memo(st, p, o, depth);
+}
+
+/* A str or bytes: like pickle, which memoizes both, the same object met again in
+ * the batch is a reference to the first (a label string that every sample shares
+ * arrives as one object, as with torch). Its own table, not plan_memo's dict:
+ * no allocation per string. */
+static int
+plan_text(fl_state *st, fl_plan *p, PyObject *o, int depth)
+{
+    uint64_t idx;
+    int seen = fl_identity_get_or_add(&p->texts, o, p->nmemo, &idx);
+    if (seen != 0)
+        return seen < 0 ? -1 : (put_u8(p, T_REF) < 0 || put_u64(p, idx) < 0) ? -1 : 0;
+    Py_ssize_t n;
+    const char *s;
+    uint8_t tag;
+    if (PyUnicode_Check(o)) {
+        tag = T_STR;
+        s = PyUnicode_AsUTF8AndSize(o, &n);
+        if (s == NULL) { /* lone surrogates: not UTF-8, but pickle keeps them */
+            PyErr_Clear();
+            if (put_u8(p, T_MEMO) < 0 || plan_pickle(st, p, o, depth) < 0)
+                return -1;
+            p->nmemo++;
+            return 0;
+        }
+    }
+    else {
+        tag = T_BYTES;
+        s = PyBytes_AS_STRING(o);
+        n = PyBytes_GET_SIZE(o);
+    }
+    if (put_u8(p, T_MEMO) < 0 || put_u8(p, tag) < 0 || put_u64(p, (uint64_t)n) < 0 ||
+        put(p, s, (size_t)n) < 0)
+        return -1;
+    p->nmemo++;
+    return 0;
 }
 
 /* Lists, dicts, tuples, tensors, arrays and pickled objects keep their identity
@@ -888,6 +922,7 @@ fl_plan_build(fl_state *st, fl_plan *p, PyObject *batch)
     /* the memo's objects are no longer needed: the ops hold what the write reads */
     Py_CLEAR(p->memo);
     Py_CLEAR(p->keep);
+    fl_identity_clear(&p->texts);
     return plan_finalise(p);
 }
 

@@ -152,6 +152,18 @@ def odd_strides(i):
             "empty_t": torch.zeros(2, 0).t(), "np_empty": torch.from_numpy(np.zeros((2, 0)))}
 
 
+def shared_strings(i):
+    """str and bytes objects met more than once (pickle memoizes both: one object each
+    in torch's main process), beside equal strings that are other objects (two there)."""
+    label = "".join(["cl", "ass-", str(i)])    # made at run time: not interned
+    again = "".join(["cl", "ass-", str(i)])    # equal to label, another object
+    raw = bytes(range(i, i + 8))
+    surrogate = "".join(["\ud800", str(i)])   # not UTF-8: travels pickled
+    return {"labels": [label, label, again], "raw": (raw, raw, bytes(bytearray(raw))),
+            label: label, "deep": {"x": [label, (raw,)]}, "sur": [surrogate, surrogate],
+            "tensor_too": (torch.ones(2) * i, label)}
+
+
 def recursive(i):
     # the cycles through a list, a dict and a tuple, one of them twice in the batch
     t = torch.arange(4.0) + i
@@ -164,7 +176,7 @@ CASES = [
     same_tensor_twice, labels_is_input_ids, view_and_base, views_without_base,
     slices_with_offsets, non_contiguous, expanded, dtype_views, fortran_arrays,
     numpy_views, requires_grad, containers_twice, pickled_object_sharing, nested_tensors,
-    storages, zero_size, odd_strides, recursive,
+    storages, zero_size, odd_strides, shared_strings, recursive,
 ]
 CASE_NAMES = [c.__name__ for c in CASES]
 
@@ -202,6 +214,21 @@ class FailsToUnpickle:
 
 def unpickling_fails_collate(indices):
     return {"x": torch.ones(2), "bad": FailsToUnpickle()}
+
+
+class LabelledSamples(Dataset):
+    """A tensor and a class name per sample: the name is one of three str objects
+    the dataset holds, so the default-collated batch's list of names holds each of
+    them several times."""
+
+    def __init__(self):
+        self.classes = ["".join([name, "-class"]) for name in ("cat", "dog", "bird")]
+
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        return torch.full((2,), float(i)), self.classes[i % 3], i
 
 
 class EmptySamples(Dataset):

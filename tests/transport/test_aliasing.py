@@ -63,7 +63,8 @@ def describe(batch, empty_as_resizable=False):
                 a.flags.f_contiguous, a.flags.writeable, a.tolist())
 
     def walk(o, path):
-        if isinstance(o, (torch.Tensor, np.ndarray, list, dict, tuple, ad.Holder)):
+        # str and bytes too: pickle memoizes them (one object for the same one twice)
+        if isinstance(o, (torch.Tensor, np.ndarray, list, dict, tuple, ad.Holder, str, bytes)):
             if id(o) in ids:
                 out.append((path, "same object as", ids[id(o)]))
                 return
@@ -305,6 +306,37 @@ def test_same_object_twice_stays_one_object_in_the_codec():
     # pickle (torch's transport) agrees on every identity above
     ref = pickle.loads(pickle.dumps((t, {"t": t, "l": lst}, lst, [lst])))
     assert ref[0] is ref[1]["t"] and ref[1]["l"] is ref[2] and ref[3][0] is ref[2]
+
+
+def test_the_same_str_or_bytes_twice_is_one_object_as_pickles_and_equal_ones_are_two():
+    s, b = "".join(["na", "me"]), bytes(range(5))
+    other = "".join(["na", "me"])
+    batch = {"s": [s, s, other], "b": (b, b), s: [s], "sur": ["\udc80x", "\udc80x"]}
+    out, ref = _core.decode(_core.encode(batch)), pickle.loads(pickle.dumps(batch))
+    for got in (out, ref):
+        assert got["s"][0] is got["s"][1] is got[s][0] and got["s"][2] is not got["s"][0]
+        assert got["b"][0] is got["b"][1]
+    assert (out["sur"][0] is out["sur"][1]) == (ref["sur"][0] is ref["sur"][1])
+    assert out == batch
+
+
+@pytest.mark.parametrize("ctx", ["fork", "spawn"])
+def test_a_class_name_shared_by_samples_arrives_as_one_object_as_torchs(ctx):
+    """Default collate over samples whose label is one of the dataset's own str
+    objects: in torch's main process each name is one object however many samples
+    hold it (pickle's memo), and so in fastloader's."""
+    def groups(make):
+        loader = make(ad.LabelledSamples(), batch_size=6, num_workers=2, multiprocessing_context=ctx)
+        seen = []
+        with deadline(120):
+            for _, names, _ in loader:
+                first = {}
+                seen.append((names, [first.setdefault(id(n), len(first)) for n in names]))
+        return seen
+
+    expected = groups(torch.utils.data.DataLoader)
+    assert expected[0][1] == [0, 1, 2, 0, 1, 2], expected   # what torch's transport gives
+    assert groups(fastloader.DataLoader) == expected
 
 
 @pytest.mark.parametrize("batch_size", [2, None], ids=["collated", "unbatched"])
