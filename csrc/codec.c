@@ -245,10 +245,12 @@ put_array_body(fl_plan *p, int typenum, int ndim, const npy_intp *dims, size_t n
 static int plan_obj(fl_state *st, fl_plan *p, PyObject *o, int depth);
 static int plan_memo(fl_state *st, fl_plan *p, PyObject *o, int depth);
 static int plan_text(fl_state *st, fl_plan *p, PyObject *o, int depth);
+static int is_text(PyObject *o);
 static int plan_compound(fl_state *st, fl_plan *p, PyObject *o, int depth);
 static int plan_open(fl_state *st, fl_plan *p, PyObject *o, int depth);
 static int plan_pickle(fl_state *st, fl_plan *p, PyObject *o, int depth);
-static int plan_seq(fl_state *st, fl_plan *p, PyObject *o, int depth);
+static int plan_seq(fl_state *st, fl_plan *p, PyObject *o, int depth, Py_ssize_t held);
+static int plan_item(fl_state *st, fl_plan *p, PyObject *o, int depth, Py_ssize_t held);
 
 static int
 plan_ndarray(fl_plan *p, PyArrayObject *a)
@@ -565,26 +567,32 @@ plan_pickle(fl_state *st, fl_plan *p, PyObject *o, int depth)
      * a list would be pickled again); its items are tensors and arrays */
     if (put_u8(p, T_LIST) < 0)
         goto done;
-    rc = plan_seq(st, p, oob, depth + 1);
+    rc = plan_seq(st, p, oob, depth + 1, 0);
 done:
     Py_DECREF(r);
     return rc;
 }
 
+/* Plan the items of a list or tuple. `held`: the references the planner's own
+ * objects hold to an item that occurs once (see plan_item); 0 if not known. */
 static int
-plan_seq(fl_state *st, fl_plan *p, PyObject *o, int depth)
+plan_seq(fl_state *st, fl_plan *p, PyObject *o, int depth, Py_ssize_t held)
 {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(o);
     if (put_u64(p, (uint64_t)n) < 0)
         return -1;
-    if (n > 64 && (PyUnicode_CheckExact(PySequence_Fast_GET_ITEM(o, 0)) ||
-                   PyBytes_CheckExact(PySequence_Fast_GET_ITEM(o, 0)))) {
-        /* a column of strings (file names): size their memo once, not by doubling */
-        if (fl_identity_reserve(&p->texts, p->texts.used + (size_t)n) < 0)
+    if (n > 64) {
+        /* a column of strings (file names that the dataset also holds): size their
+         * memo once, not by doubling */
+        size_t texts = 0;
+        for (Py_ssize_t i = 0; i < n; i++)
+            texts += is_text(PySequence_Fast_GET_ITEM(o, i)) &&
+                     Py_REFCNT(PySequence_Fast_GET_ITEM(o, i)) > held;
+        if (texts > 64 && fl_identity_reserve(&p->texts, p->texts.used + texts) < 0)
             return -1;
     }
     for (Py_ssize_t i = 0; i < n; i++)
-        if (plan_obj(st, p, PySequence_Fast_GET_ITEM(o, i), depth + 1) < 0)
+        if (plan_item(st, p, PySequence_Fast_GET_ITEM(o, i), depth + 1, held) < 0)
             return -1;
     return 0;
 }
@@ -642,7 +650,7 @@ plan_namedtuple(fl_state *st, fl_plan *p, PyObject *o, int depth)
     if (put_u8(p, T_NAMEDTUPLE) < 0 || put_u64(p, (uint64_t)PyBytes_GET_SIZE(pickled)) < 0 ||
         put(p, PyBytes_AS_STRING(pickled), (size_t)PyBytes_GET_SIZE(pickled)) < 0)
         return -1;
-    return plan_seq(st, p, o, depth);
+    return plan_seq(st, p, o, depth, 1);
 }
 
 static int
@@ -675,29 +683,26 @@ plan_obj(fl_state *st, fl_plan *p, PyObject *o, int depth)
     return plan_memo(st, p, o, depth);
 }
 
-/* A str or bytes: like pickle, which memoizes both, the same object met again in
- * the batch is a reference to the first (a label string that every sample shares
- * arrives as one object, as with torch). Its own table, not plan_memo's dict:
- * no allocation per string. */
 static int
-plan_text(fl_state *st, fl_plan *p, PyObject *o, int depth)
+is_text(PyObject *o)
 {
-    uint64_t idx;
-    int seen = fl_identity_get_or_add(&p->texts, o, p->nmemo, &idx);
-    if (seen != 0)
-        return seen < 0 ? -1 : (put_u8(p, T_REF) < 0 || put_u64(p, idx) < 0) ? -1 : 0;
+    return PyUnicode_CheckExact(o) || PyBytes_CheckExact(o);
+}
+
+/* A str or bytes node, not memoized. 1 (nothing written) for a str that is not
+ * UTF-8 (lone surrogates), which the caller pickles: pickle keeps it. */
+static int
+put_text(fl_plan *p, PyObject *o)
+{
     Py_ssize_t n;
     const char *s;
     uint8_t tag;
     if (PyUnicode_Check(o)) {
         tag = T_STR;
         s = PyUnicode_AsUTF8AndSize(o, &n);
-        if (s == NULL) { /* lone surrogates: not UTF-8, but pickle keeps them */
+        if (s == NULL) {
             PyErr_Clear();
-            if (put_u8(p, T_MEMO) < 0 || plan_pickle(st, p, o, depth) < 0)
-                return -1;
-            p->nmemo++;
-            return 0;
+            return 1;
         }
     }
     else {
@@ -705,11 +710,47 @@ plan_text(fl_state *st, fl_plan *p, PyObject *o, int depth)
         s = PyBytes_AS_STRING(o);
         n = PyBytes_GET_SIZE(o);
     }
-    if (put_u8(p, T_MEMO) < 0 || put_u8(p, tag) < 0 || put_u64(p, (uint64_t)n) < 0 ||
-        put(p, s, (size_t)n) < 0)
+    return (put_u8(p, tag) < 0 || put_u64(p, (uint64_t)n) < 0 || put(p, s, (size_t)n) < 0) ? -1 : 0;
+}
+
+/* A str or bytes: like pickle, which memoizes both, the same object met again in
+ * the batch is a reference to the first (a label string that every sample shares
+ * arrives as one object, as with torch). Its own table, not plan_memo's dict: no
+ * allocation per string. The index is given once the node is complete, as in
+ * plan_memo (the decoder numbers nodes in completion order). */
+static int
+plan_text(fl_state *st, fl_plan *p, PyObject *o, int depth)
+{
+    uint64_t idx;
+    if (fl_identity_find(&p->texts, o, &idx))
+        return (put_u8(p, T_REF) < 0 || put_u64(p, idx) < 0) ? -1 : 0;
+    if (put_u8(p, T_MEMO) < 0)
+        return -1;
+    int rc = put_text(p, o);
+    if (rc > 0)
+        rc = plan_pickle(st, p, o, depth);
+    if (rc < 0 || fl_identity_add(&p->texts, o, p->nmemo) < 0)
         return -1;
     p->nmemo++;
     return 0;
+}
+
+/* An item of a list, tuple or dict. A str or bytes that only the planner's own
+ * objects refer to (`held` references: the container's, and the copy or the
+ * (key, value) pair it is read through) occurs once in the batch, so it needs no
+ * memo: most strings of a batch (tokens, captions) are made by the dataset for it,
+ * and pass here without a table look-up. */
+static int
+plan_item(fl_state *st, fl_plan *p, PyObject *o, int depth, Py_ssize_t held)
+{
+#ifdef Py_GIL_DISABLED
+    held = 0; /* reference counts there are not exact while other threads run */
+#endif
+    if (is_text(o) && Py_REFCNT(o) <= held) {
+        int rc = put_text(p, o);
+        return rc > 0 ? plan_pickle(st, p, o, depth) : rc;
+    }
+    return plan_obj(st, p, o, depth);
 }
 
 /* Lists, dicts, tuples, tensors, arrays and pickled objects keep their identity
@@ -796,11 +837,11 @@ plan_compound(fl_state *st, fl_plan *p, PyObject *o, int depth)
              * and so every open container below, alive (PySequence_Fast would
              * return the list itself) */
             PyObject *snap = PyList_GetSlice(o, 0, PY_SSIZE_T_MAX);
-            rc = snap ? plan_seq(st, p, snap, depth) : -1;
+            rc = snap ? plan_seq(st, p, snap, depth, 2) : -1;   /* the list's, the copy's */
             Py_XDECREF(snap);
         }
         else {
-            rc = plan_seq(st, p, o, depth);
+            rc = plan_seq(st, p, o, depth, 1);
         }
         Py_LeaveRecursiveCall();
         return rc;
@@ -817,9 +858,10 @@ plan_compound(fl_state *st, fl_plan *p, PyObject *o, int depth)
         rc = 0;
         for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items) && rc == 0; i++) {
             PyObject *kv = PyList_GET_ITEM(items, i);
-            rc = plan_obj(st, p, PyTuple_GET_ITEM(kv, 0), depth + 1);
+            /* the dict's references and the (key, value) pair's */
+            rc = plan_item(st, p, PyTuple_GET_ITEM(kv, 0), depth + 1, 2);
             if (rc == 0)
-                rc = plan_obj(st, p, PyTuple_GET_ITEM(kv, 1), depth + 1);
+                rc = plan_item(st, p, PyTuple_GET_ITEM(kv, 1), depth + 1, 2);
         }
         Py_LeaveRecursiveCall();
     dict_done:

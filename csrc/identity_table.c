@@ -62,24 +62,24 @@ fl_identity_reserve(fl_identity_table *t, size_t n)
 }
 
 int
-fl_identity_get_or_add(fl_identity_table *t, PyObject *obj, uint64_t next, uint64_t *value)
+fl_identity_find(const fl_identity_table *t, PyObject *obj, uint64_t *value)
 {
-    size_t i = 0;
-    if (t->cap) {
-        for (i = home(obj, t->cap); t->slots[i].obj != NULL; i = (i + 1) & (t->cap - 1))
-            if (t->slots[i].obj == obj) {
-                *value = t->slots[i].value;
-                return 1;
-            }
-    }
-    if ((t->used + 1) * 2 > t->cap) {
-        if (fl_identity_reserve(t, t->used + 1) < 0)
-            return -1;
-        for (i = home(obj, t->cap); t->slots[i].obj != NULL; i = (i + 1) & (t->cap - 1))
-            ;
-    }
-    t->slots[i].obj = Py_NewRef(obj);
-    t->slots[i].value = next;
+    if (t->cap == 0)
+        return 0;
+    for (size_t i = home(obj, t->cap); t->slots[i].obj != NULL; i = (i + 1) & (t->cap - 1))
+        if (t->slots[i].obj == obj) {
+            *value = t->slots[i].value;
+            return 1;
+        }
+    return 0;
+}
+
+int
+fl_identity_add(fl_identity_table *t, PyObject *obj, uint64_t value)
+{
+    if (fl_identity_reserve(t, t->used + 1) < 0)
+        return -1;
+    put_slot(t->slots, t->cap, Py_NewRef(obj), value);
     t->used++;
     return 0;
 }

@@ -22,9 +22,11 @@ typedef struct {
     size_t used;
 } fl_identity_table;
 
-/* If obj is in the table: 1, and its value in *value. Otherwise obj is added with
- * the value `next` and 0 is returned; -1 with MemoryError set if it cannot be. */
-int fl_identity_get_or_add(fl_identity_table *t, PyObject *obj, uint64_t next, uint64_t *value);
+/* 1 and *value if obj is in the table, else 0. */
+int fl_identity_find(const fl_identity_table *t, PyObject *obj, uint64_t *value);
+
+/* Add obj, which is not in the table, with `value`: 0, or -1 with MemoryError set. */
+int fl_identity_add(fl_identity_table *t, PyObject *obj, uint64_t value);
 
 /* Make room for n entries in all, so that adding them does not rehash: 0, or -1
  * with MemoryError set. */

@@ -38,6 +38,7 @@ from torch.utils.data import DataLoader as _TorchDataLoader
 
 from .iterator import FastMultiProcessingIter
 from .sharing import DEFAULT_STRATEGY, STRATEGIES, check_strategy
+from .warn_site import stacklevel_outside
 
 __all__ = ["install", "uninstall", "installed", "FastLoaderWarning", "ENV_VAR"]
 
@@ -120,19 +121,6 @@ _OFF = frozenset({"", "0", "false", "no", "off"})
 _ON = frozenset({"1", "true", "yes", "on"})
 
 
-def _caller_stacklevel() -> int:
-    """The first frame outside fastloader and accelerate (the user's prepare() call)."""
-    import sys
-
-    skip = tuple(os.path.dirname(m.__file__) + os.sep
-                 for m in (sys.modules.get("fastloader"), sys.modules.get("accelerate"))
-                 if m is not None and getattr(m, "__file__", None))
-    level, frame = 1, sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(skip):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
 def warn_if_rebuilt_by_accelerate(loader) -> None:
     """accelerate's prepare() reads ``_is_accelerate_prepared`` on a loader, then
     rebuilds it as its own torch DataLoader from torch's arguments: without
@@ -158,4 +146,6 @@ def warn_if_rebuilt_by_accelerate(loader) -> None:
             "to keep it.")
     else:
         return
-    warnings.warn(message, FastLoaderWarning, stacklevel=_caller_stacklevel())
+    # at the user's prepare() call
+    warnings.warn(message, FastLoaderWarning,
+                  stacklevel=stacklevel_outside("fastloader", "accelerate"))

@@ -12,7 +12,6 @@ Silence it with ``warnings.filterwarnings("ignore", category=HeavyMetadataWarnin
 from __future__ import annotations
 
 import itertools
-import os
 import sys
 import threading
 import types
@@ -22,6 +21,7 @@ from typing import List, Optional
 
 from . import _core
 from .sharing import resolve_start_method
+from .warn_site import stacklevel_outside
 
 __all__ = ["HeavyMetadataWarning", "warn_if_heavy_metadata", "find_heavy_metadata"]
 
@@ -271,20 +271,6 @@ def _message(f: Finding, dataset, num_workers: int, method: str) -> str:
             "(Shown once.)")
 
 
-def _stacklevel() -> int:
-    """Point the warning at the first frame outside fastloader and torch (the user's
-    `for batch in loader`)."""
-    skip = tuple(os.path.dirname(m.__file__) + os.sep
-                 for m in (sys.modules.get("fastloader"), sys.modules.get("torch"))
-                 if m is not None and getattr(m, "__file__", None))
-    level = 1
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(skip):
-        frame = frame.f_back
-        level += 1
-    return level
-
-
 def warn_if_heavy_metadata(dataset, num_workers: int, start_method=None) -> List[Finding]:
     """Warn (HeavyMetadataWarning, once per dataset class and attribute per process)
     when a loader about to start `num_workers` workers with `start_method` ('fork',
@@ -303,8 +289,9 @@ def warn_if_heavy_metadata(dataset, num_workers: int, start_method=None) -> List
             if key in _warned:
                 continue
             _warned.add(key)
+        # at the user's `for batch in loader`
         warnings.warn(_message(f, dataset, num_workers, method), HeavyMetadataWarning,
-                      stacklevel=_stacklevel())
+                      stacklevel=stacklevel_outside("fastloader", "torch"))
     return findings
 
 

@@ -27,6 +27,7 @@ from .distributed import rank_info
 from .packed import loader_strategy, starting_strategy
 from .protocol import TASK_SHUTDOWN
 from .sigint import children_ignore_sigint
+from .warn_site import stacklevel_outside
 from .worker import worker_main
 from .worker_process import WorkerProcess
 
@@ -100,9 +101,12 @@ def _share_heavy_part(specs):
 
 def _explain_start_error(exc, method):
     """Warn as torch's DataLoader does when a worker's arguments do not pickle,
-    then re-raise the error unchanged."""
+    then re-raise the error unchanged. torch's warning points into its own
+    dataloader module (where its iterator is made), so a filter on that module
+    silences it; fastloader's points at the first frame outside fastloader:
+    torch's DataLoader.__iter__, in that module, for `iter(loader)`."""
     if isinstance(exc, (TypeError, AttributeError, pickle.PicklingError)):
-        warnings.warn(_PICKLE_HINT, stacklevel=5)
+        warnings.warn(_PICKLE_HINT, stacklevel=stacklevel_outside("fastloader"))
     raise exc
 
 

@@ -488,3 +488,36 @@ def test_the_estimate_matches_the_measured_per_worker_cost_and_the_fix_removes_i
     # packed: no per-row object to copy (what remains is the worker's own churn)
     assert growth_packed < min(growth, estimate) / 4, \
         f"packed: {growth_packed / MIB:.1f} MiB, objects: {growth / MIB:.1f} MiB"
+
+
+@pytest.mark.parametrize("ctx", ["spawn", "forkserver"])
+@pytest.mark.parametrize("install", [False, True], ids=["DataLoader", "install"])
+def test_unpicklable_worker_arguments_warn_from_torchs_module_as_torchs(ctx, install):
+    """A collate_fn that does not pickle (a lambda) where workers are started by
+    pickling: torch warns with its hint, from its own dataloader module, then raises
+    the pickling error. fastloader's warning is torch's (category, text, file), so a
+    filter on torch's module silences both, and the error is the same type."""
+    def attempt(make, module_filter):
+        loader = make(list(range(4)), batch_size=2, num_workers=1, multiprocessing_context=ctx,
+                      collate_fn=lambda b: b)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if module_filter:
+                warnings.filterwarnings("ignore", module=r"torch\.utils\.data\.dataloader")
+            with pytest.raises(Exception) as info, deadline(60):
+                next(iter(loader))
+        hints = [(w.category, str(w.message), w.filename) for w in caught
+                 if "pickle error" in str(w.message)]
+        return type(info.value), hints
+
+    expected = [attempt(TorchDataLoader, f) for f in (False, True)]
+    assert expected[0][1] and not expected[1][1], expected   # what torch does
+    if install:
+        fastloader.install()
+        try:
+            got = [attempt(TorchDataLoader, f) for f in (False, True)]
+        finally:
+            fastloader.uninstall()
+    else:
+        got = [attempt(DataLoader, f) for f in (False, True)]
+    assert got == expected

@@ -5,11 +5,15 @@ The loaders run with batch_size=1 and ``case_collate``: sample i builds the batc
 case CASES[i], deterministically from i, so torch's loader and fastloader's get the
 same objects to carry and every difference comes from the transport.
 """
+import collections
 import warnings
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
+
+
+Pair = collections.namedtuple("Pair", "first rest")
 
 
 class Holder:

@@ -10,6 +10,7 @@ contiguity, dtype, requires_grad, leafness, types, NumPy strides and flags, whic
 arrays share memory, and the values. The descriptions must be equal.
 """
 import pickle
+import random
 
 import numpy as np
 import pytest
@@ -318,6 +319,76 @@ def test_the_same_str_or_bytes_twice_is_one_object_as_pickles_and_equal_ones_are
         assert got["b"][0] is got["b"][1]
     assert (out["sur"][0] is out["sur"][1]) == (ref["sur"][0] is ref["sur"][1])
     assert out == batch
+
+
+def _random_batch(rng, pool, depth=0):
+    """Lists, tuples, namedtuples and dicts of str, bytes (UTF-8 or not), ints,
+    tensors and None, where any object made so far may occur again."""
+    if depth > 3 or rng.random() < 0.3:
+        r = rng.random()
+        if r < 0.3 and pool:
+            return rng.choice(pool)
+        if r < 0.5:
+            made = "".join(rng.choice("ab\u00e9") for _ in range(rng.randint(0, 3)))
+        elif r < 0.6:
+            made = bytes(rng.randint(0, 255) for _ in range(rng.randint(0, 3)))
+        elif r < 0.65:
+            made = "\ud800" + str(rng.random())   # not UTF-8: pickled
+        elif r < 0.8:
+            made = torch.arange(3)
+        else:
+            return rng.choice([None, rng.randint(-5, 10 ** 20)])
+        pool.append(made)
+        return made
+    n = rng.randint(0, 70) if rng.random() < 0.1 else rng.randint(0, 5)   # > 64: sized memo
+    items = [_random_batch(rng, pool, depth + 1) for _ in range(n)]
+    kind = rng.random()
+    if kind < 0.35:
+        made = items
+    elif kind < 0.6:
+        made = tuple(items)
+    elif kind < 0.7:
+        made = ad.Pair(items[0] if items else 1, tuple(items))
+    else:
+        keys = [k for k in pool if isinstance(k, (str, bytes))] or ["k"]
+        made = {rng.choice(keys) if rng.random() < 0.7 else i: item
+                for i, item in enumerate(items)}
+    if rng.random() < 0.2:
+        pool.append(made)
+    return made
+
+
+def _identity_graph(obj, ids, out):
+    """obj as a list of nodes, where an object met again is ("again", its number)."""
+    if id(obj) in ids:
+        out.append(("again", ids[id(obj)]))
+        return out
+    if isinstance(obj, (str, bytes, list, tuple, dict, torch.Tensor)):
+        ids[id(obj)] = len(ids)
+    if isinstance(obj, dict):
+        out.append(("dict", len(obj)))
+        for k, v in obj.items():
+            _identity_graph(k, ids, out)
+            _identity_graph(v, ids, out)
+    elif isinstance(obj, (list, tuple)):
+        out.append((type(obj).__name__, len(obj)))
+        for v in obj:
+            _identity_graph(v, ids, out)
+    else:
+        out.append(("value", obj.tolist() if isinstance(obj, torch.Tensor) else repr(obj)))
+    return out
+
+
+def test_identities_of_random_batches_are_pickles():
+    """Which positions of a batch hold one object (strings, bytes, containers,
+    tensors, in any mix and order): the codec's answer is pickle's, on 1,500
+    seeded random batches."""
+    rng = random.Random(1234)
+    for i in range(1500):
+        batch = _random_batch(rng, [])
+        expected = _identity_graph(pickle.loads(pickle.dumps(batch)), {}, [])
+        got = _identity_graph(_core.decode(_core.encode(batch)), {}, [])
+        assert got == expected, f"batch {i}: {batch!r}"
 
 
 @pytest.mark.parametrize("ctx", ["fork", "spawn"])
