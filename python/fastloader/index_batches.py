@@ -16,6 +16,7 @@ torch's sampler would have produced, for the paths that hand indices over
 otherwise (the pickle fallback, a resumed run's replay)."""
 from __future__ import annotations
 
+import itertools
 from typing import Iterator, Optional
 
 from torch.utils.data import sampler as _sampler_module
@@ -48,8 +49,11 @@ def _ranges(index_sampler, sampler) -> Iterator[range]:
     drop_last = index_sampler.drop_last
     n = len(sampler.data_source)
     if drop_last:
-        # torch 2.13 reads batch_size once here (a zip over one iterator)
+        # torch 2.13 reads batch_size once here (a zip over one iterator; of none,
+        # an empty epoch, when it is 0 or less)
         size = index_sampler.batch_size
+        if size < 1:
+            return
         for start in range(0, n - n % size, size):
             yield range(start, start + size)
         return
@@ -58,7 +62,9 @@ def _ranges(index_sampler, sampler) -> Iterator[range]:
     while start < n:
         size = index_sampler.batch_size
         if size < 1:
-            return   # torch's islice of 0 items ends the epoch
+            # torch's islice of 0 items ends the epoch; of fewer, islice's own error
+            itertools.islice((), size)
+            return
         yield range(start, min(start + size, n))
         start += size
 

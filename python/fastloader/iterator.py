@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import copy
 import functools
+import operator
 import pickle
 
 import torch
@@ -62,8 +63,16 @@ class _Unrebuilt:
 
 
 def _task_bytes_estimate(loader) -> int:
-    bs = getattr(loader.batch_sampler, "batch_size", None) or loader.batch_size or 1
-    return 64 + 8 * int(bs)
+    """About how many bytes one task (a batch of indices) takes in the task ring.
+    A guess only: a custom batch_sampler's `batch_size` may be anything (sizes per
+    bucket, "dynamic") or raise, and torch never reads it, so neither may that
+    stop a loader here."""
+    try:
+        size = operator.index(getattr(loader.batch_sampler, "batch_size", None)
+                              or loader.batch_size or 1)
+    except Exception:
+        size = 1
+    return 64 + 8 * max(size, 1)
 
 
 class FastMultiProcessingIter(_BaseDataLoaderIter):

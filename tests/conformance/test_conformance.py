@@ -265,6 +265,52 @@ def test_a_subclass_that_defines_eq_iterates_as_torchs():
     conform(scenario)
 
 
+class _BucketBatchSampler:
+    """A batch sampler whose `batch_size` is not one number (torch never reads it)."""
+
+    def __init__(self, batch_size):
+        self._batch_size = batch_size
+
+    @property
+    def batch_size(self):
+        if self._batch_size == "raise":
+            raise RuntimeError("no single batch size")
+        return self._batch_size
+
+    def __iter__(self):
+        yield [0, 1]
+        yield [2]
+        yield [5, 4, 3]
+
+    def __len__(self):
+        return 3
+
+
+@pytest.mark.parametrize("batch_size", [[4, 2], "dynamic", "raise", None, 2.5],
+                         ids=["per-bucket", "str", "raises", "none", "float"])
+def test_a_batch_sampler_whose_batch_size_is_not_a_number_loads_as_torchs(batch_size):
+    """fastloader sizes its task ring from a batch sampler's batch_size; one that is
+    a list, a string or a property that raises must not stop the loader."""
+    def scenario(DL):
+        loader = DL(list(range(6)), batch_sampler=_BucketBatchSampler(batch_size), num_workers=2,
+                    multiprocessing_context="fork")
+        return [b.tolist() for b in loader]
+
+    conform(scenario)
+
+
+@pytest.mark.parametrize("size", [0, -2])
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_batch_size_set_to_zero_after_construction_ends_the_epoch_as_torchs(size, drop_last):
+    def scenario(DL):
+        loader = DL(list(range(6)), batch_size=2, drop_last=drop_last, num_workers=1,
+                    multiprocessing_context="fork")
+        loader.batch_sampler.batch_size = size
+        return [b.tolist() for b in loader]
+
+    conform(scenario)
+
+
 def test_loaders_that_compare_equal_keep_their_own_state():
     """fastloader's state_dict() is each loader's own, whatever __eq__ and __hash__
     say (its per-loader state is not looked up by equality)."""
