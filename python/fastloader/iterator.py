@@ -147,12 +147,11 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
 
     def __next__(self):
         # torch's __next__ opens a profiler range per batch (a few microseconds,
-        # a large share of our per-batch cost) and checks an IterableDataset's
-        # length. Take that path whenever it can matter; otherwise do the same
-        # bookkeeping without the range.
-        if (self._dataset_kind == _DatasetKind.Iterable
-                and self._IterableDataset_len_called is not None) \
-                or torch.autograd._profiler_enabled():
+        # a large share of our per-batch cost). Take that path whenever the
+        # profiler runs; otherwise do the same bookkeeping without the range. (An
+        # IterableDataset whose len() was asked gets torch's __next__ itself:
+        # _LengthCheckedIter.)
+        if torch.autograd._profiler_enabled():
             return super().__next__()
         if self._sampler_iter is None:
             self._reset()
@@ -188,6 +187,10 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
     # -- epoch control -------------------------------------------------------------
     def _reset(self, loader, first_iter=False):
         super()._reset(loader, first_iter)
+        if type(self) in (FastMultiProcessingIter, _LengthCheckedIter):   # not a user's subclass
+            checks_length = (self._dataset_kind == _DatasetKind.Iterable
+                             and self._IterableDataset_len_called is not None)
+            self.__class__ = _LengthCheckedIter if checks_length else FastMultiProcessingIter
         # torch's default unshuffled sampler: the same batches as ranges (no int
         # object per index in the main process; see index_batches.py)
         ranges = sequential_batches(self._index_sampler)
@@ -505,3 +508,12 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             self._shutdown_workers(deferred=True)
         except Exception:   # interpreter teardown: modules may already be gone
             pass
+
+
+class _LengthCheckedIter(FastMultiProcessingIter):
+    """The iterator of an IterableDataset whose len() was asked (before this epoch,
+    through len(loader)): torch's own __next__ counts the samples against that
+    length and warns with stacklevel=2, which must be the user's loop, as with
+    torch, not a __next__ of ours that calls it. _reset() picks the class."""
+
+    __next__ = _BaseDataLoaderIter.__next__

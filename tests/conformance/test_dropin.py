@@ -521,3 +521,42 @@ def test_unpicklable_worker_arguments_warn_from_torchs_module_as_torchs(ctx, ins
     else:
         got = [attempt(DataLoader, f) for f in (False, True)]
     assert got == expected
+
+
+class _LongerThanItsLen(torch.utils.data.IterableDataset):
+    """Yields 4 samples, says 2: torch warns once more than len() have been fetched."""
+
+    def __iter__(self):
+        return iter(range(4))
+
+    def __len__(self):
+        return 2
+
+
+@pytest.mark.parametrize("asked", ["before the first epoch", "between epochs"])
+@pytest.mark.parametrize("persistent", [False, True], ids=["workers", "persistent"])
+def test_the_iterable_length_warning_points_at_the_users_loop_as_torchs(asked, persistent):
+    """torch's warning that an IterableDataset yielded more than its len() points
+    at the loop that iterates the loader (stacklevel=2 from torch's __next__), so
+    the user sees their line; fastloader's must point at the same line, also when
+    len() is first asked between two epochs of persistent workers."""
+    dataset = _LongerThanItsLen()   # one object: the message holds its repr
+
+    def warned(make):
+        loader = make(dataset, batch_size=None, num_workers=1, persistent_workers=persistent,
+                      multiprocessing_context="fork")
+        if asked == "between epochs":
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")   # no len() asked yet: no warning
+                assert list(loader) == [0, 1, 2, 3]
+        len(loader)
+        with warnings.catch_warnings(record=True) as caught, deadline(60):
+            warnings.simplefilter("always")
+            for _ in loader:   # the line both warnings must point at
+                pass
+        return [(w.category, str(w.message), w.filename, w.lineno) for w in caught
+                if "Length of IterableDataset" in str(w.message)]
+
+    expected = warned(TorchDataLoader)
+    assert expected and {w[2] for w in expected} == {__file__}, expected   # torch's: this loop
+    assert warned(DataLoader) == expected
