@@ -57,6 +57,11 @@ def test_the_loaders_stats_report_each_workers_wakeups():
         next(it)         # depends on how fast the workers started
         time.sleep(0.1)
     before = wakeups(it)
-    for _ in it:         # a slow consumer: each of tasks 6-15 is put 0.2 s after
-        time.sleep(0.1)  # its worker's previous one, long done: the worker sleeps
+    # A slow consumer: each of tasks 6-15 is put ~60 ms after its worker's previous
+    # one, long done: the worker sleeps in its poll. Not 100 ms a batch: a worker's
+    # poll wakes every 200 ms (to watch the main process), and a task put as it
+    # does is taken without a wake-up; with tasks 200 ms apart that phase drifts
+    # slowly, and several tasks in a row could land there.
+    for _ in it:
+        time.sleep(0.03)
     assert 8 <= wakeups(it) - before <= 10, (before, wakeups(it))
