@@ -36,7 +36,9 @@ WORKERS = 2
 FREQ = 1999   # Hz: odd, so it does not beat with periodic work
 
 
-DATASETS = {"tiny": datasets.TinyDataset, "tiny_batched": datasets.TinyBatchedDataset}
+DATASETS = {"tiny": datasets.TinyDataset, "tiny_batched": datasets.TinyBatchedDataset,
+            "tokens": datasets.TokenDataset}
+COLLATE = {"tokens": datasets.pad_tokens}   # the others use the default collate
 
 
 def _loader(name, length, dataset="tiny"):
@@ -45,8 +47,9 @@ def _loader(name, length, dataset="tiny"):
         import fastloader
 
         cls = fastloader.DataLoader
+    kwargs = {"collate_fn": COLLATE[dataset]} if dataset in COLLATE else {}
     return cls(DATASETS[dataset](length), batch_size=BATCH, num_workers=WORKERS,
-               multiprocessing_context="fork", persistent_workers=True)
+               multiprocessing_context="fork", persistent_workers=True, **kwargs)
 
 
 def _worker_pids(loader):
@@ -122,7 +125,8 @@ def parse_args(argv):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--loaders", default="fastloader,torch")
     parser.add_argument("--dataset", choices=sorted(DATASETS), default="tiny",
-                        help="tiny_batched: the same samples through __getitems__")
+                        help="tiny_batched: the same samples through __getitems__; "
+                        "tokens: variable-length sequences, padded by a custom collate")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batches", type=int, default=2000, help="batches per epoch")
     parser.add_argument("--top", type=int, default=15, help="symbols listed per side")
