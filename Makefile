@@ -59,7 +59,7 @@ $(BENCH_DEPS): requirements-bench.txt requirements-dev.txt $(DEPS)
 
 # The headline benchmark: every workload against torch's DataLoader and the peers
 # (torchdata, SPDL) in the same run, the budget table, and PNG charts in
-# benchmarks/results/. ~15-20 min on a quiet 2-core box.
+# benchmarks/results/. 15-45 min on a 2-core box.
 bench: install $(BENCH_DEPS)
 	$(VPY) -m benchmarks.run
 

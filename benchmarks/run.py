@@ -1,6 +1,6 @@
 """Every benchmark in one go: what `make bench` runs.
 
-    python -m benchmarks.run                 # full run, ~4 min on a quiet 2-core box (~6 loaded)
+    python -m benchmarks.run                 # full run, 15-45 min on a 2-core box (the VM's speed varies)
     python -m benchmarks.run --quick         # smoke run, ~1-1.5 min
     python -m benchmarks.run --only throughput,charts --out-dir /tmp/bench
     python -m benchmarks.run --check         # exit 1 if a budget is clearly missed
