@@ -17,6 +17,7 @@ tens of microseconds per snapshot).
 """
 from __future__ import annotations
 
+import inspect
 import random
 
 import numpy as np
@@ -99,7 +100,7 @@ class EpochTracker:
         for wid, is_active in enumerate(active):
             entry = self.snap[wid]
             replay = self.since_snap[wid]
-            if entry is None or (needs_epoch_start(dataset)
+            if entry is None or (not has_position(entry[1], dataset)
                                  and self.epoch_snap[wid] is not None):
                 entry = self.epoch_snap[wid]
                 replay = self.epoch_tasks[wid]
@@ -200,24 +201,71 @@ def validate(loader, state):
 
 
 # -- worker process ----------------------------------------------------------------
+def _takes_no_arguments(method) -> bool:
+    try:
+        inspect.signature(method).bind()
+    except TypeError:
+        return False
+    except ValueError:   # no signature to read (some builtins): assume the protocol's
+        return True
+    return True
+
+
 def _stateful(dataset) -> bool:
-    return (isinstance(dataset, IterableDataset) and callable(getattr(dataset, "state_dict", None))
-            and callable(getattr(dataset, "load_state_dict", None)))
+    """An IterableDataset that keeps its position through torchdata's Stateful
+    protocol: `state_dict()` with no arguments, and `load_state_dict(state)`.
+    Datasets whose `state_dict` needs arguments (MosaicML streaming's
+    `state_dict(num_samples, from_beginning)`, litdata's) follow a protocol of
+    their own, for their own loaders: they resume as plain iterables do."""
+    if not isinstance(dataset, IterableDataset):
+        return False
+    state_dict = getattr(dataset, "state_dict", None)
+    return (callable(state_dict) and callable(getattr(dataset, "load_state_dict", None))
+            and _takes_no_arguments(state_dict))
+
+
+def _numpy_state():
+    # np.random.get_state() holds an ndarray, which torch.load(weights_only=True)
+    # (its default, and Lightning's for checkpoints) refuses: keep its keys as a
+    # tensor, so a checkpoint holding the loader's state loads with the defaults
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss),
+            float(cached))
+
+
+def _set_numpy_state(state):
+    name, keys, pos, has_gauss, cached = state
+    # keys: a tensor, or an ndarray in states saved before it was one
+    np.random.set_state((name, np.asarray(keys, dtype=np.int64).astype(np.uint32), pos,
+                         has_gauss, cached))
 
 
 def take_snapshot(dataset, tasks_done: int) -> dict:
+    """A worker's state before one of its tasks. torch's DataLoader never calls the
+    dataset's `state_dict()`: if it fails here, the batch is not lost, the
+    snapshot only goes without the dataset's position (see `has_position`)."""
     snap = {"k": tasks_done, "random": random.getstate(), "torch": torch.get_rng_state(),
-            "numpy": np.random.get_state()}
+            "numpy": _numpy_state()}
     if _stateful(dataset):
-        snap["dataset"] = dataset.state_dict()
+        try:
+            snap["dataset"] = dataset.state_dict()
+        except Exception as exc:
+            snap["dataset_error"] = f"{type(exc).__name__}: {exc}"
     return snap
+
+
+def has_position(snap, dataset) -> bool:
+    """Whether resuming from `snap` can put the worker's dataset where it was:
+    not for a plain IterableDataset (its workers replay the epoch from its
+    start), nor when the dataset's `state_dict()` failed at that snapshot."""
+    return not needs_epoch_start(dataset) and "dataset_error" not in snap
 
 
 def restore_snapshot(dataset, snap) -> int:
     """Restore RNGs (and an iterable's position); returns the task count."""
     random.setstate(_as_random_state(snap["random"]))
     torch.set_rng_state(snap["torch"])
-    np.random.set_state(snap["numpy"])
+    _set_numpy_state(snap["numpy"])
     if "dataset" in snap and _stateful(dataset):
         dataset.load_state_dict(snap["dataset"])
     return snap["k"]

@@ -4,7 +4,7 @@ Lightning rebuilds for DDP is still fastloader's, with its kwargs."""
 import pytest
 import torch
 
-from tests.clients.conftest import assert_fastloader_ran, run_both
+from tests.clients.conftest import assert_fastloader_ran, run_both, run_client
 
 pytest.importorskip("lightning", reason="lightning is not installed "
                     "(make test installs requirements-clients.txt)")
@@ -33,3 +33,17 @@ def test_trainer_trains_as_with_torch(out_dir, devices, where):
         assert ref["strategy"] == got["strategy"] == "DDPStrategy"
         # the two ranks saw different samples (the injected sampler shards)
         assert not torch.equal(ref["batches"][0][0][1], ref["batches"][1][0][1])
+
+
+def test_a_checkpoint_loads_with_the_defaults_and_resumes(out_dir):
+    """Lightning stores fastloader's loader state in each checkpoint (torch's
+    loader has none): the checkpoint must still load with torch.load's and
+    Lightning's defaults (weights_only=True), which refused the numpy RNG state
+    the workers' snapshots held, and training must resume from it."""
+    ref = run_client("lightning_checkpoint_client.py", "torch", out_dir)
+    got = run_client("lightning_checkpoint_client.py", "fastloader", out_dir)
+    assert not ref["loader_state"] and got["loader_state"]
+    # resumed at the start of the second epoch: 16 samples, batch 4
+    for run in (ref, got):
+        assert [(e, i) for e, i, _ in run["resumed_steps"]] == [(1, i) for i in range(4)]
+        assert sorted(x for *_, b in run["resumed_steps"] for x in b) == list(range(16))

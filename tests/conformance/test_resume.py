@@ -145,3 +145,87 @@ def test_distributed_sampler_resume_with_set_epoch():
     second.load_state_dict(state)
     tail = [clone_batch(b) for b in second]
     assert_same_batch_lists(full, head + tail, "DistributedSampler resume")
+
+
+# -- datasets with a state_dict() of their own, and where the state is saved -------
+@pytest.mark.parametrize("how", ["import", "install"])
+def test_a_dataset_whose_state_dict_needs_arguments_loads_as_torchs(how):
+    """MosaicML streaming and litdata datasets have a `state_dict(...)` that needs
+    arguments: torch's DataLoader never calls it, and fastloader used to call it
+    with none in every worker at each epoch's first batch (TypeError: the epoch
+    failed)."""
+    ds = rd.ArgumentStateStream(24)
+    torch.manual_seed(3)
+    want = [clone_batch(b) for b in torch.utils.data.DataLoader(ds, batch_size=2, num_workers=2)]
+    torch.manual_seed(3)
+    if how == "install":
+        fastloader.install()
+        try:
+            it = iter(torch.utils.data.DataLoader(ds, batch_size=2, num_workers=2))
+            assert type(it).__module__.startswith("fastloader")
+            got = [clone_batch(b) for b in it]
+        finally:
+            fastloader.uninstall()
+    else:
+        got = [clone_batch(b) for b in fastloader.DataLoader(ds, batch_size=2, num_workers=2)]
+    assert [b["x"].tolist() for b in got] == [b["x"].tolist() for b in want]
+    assert_same_batch_lists(want, got, "ArgumentStateStream")
+
+
+@pytest.mark.parametrize("k", [2, 7])
+def test_a_dataset_whose_state_dict_needs_arguments_resumes_by_replay(k):
+    kw = dict(batch_size=3, snapshot_every_n_steps=2)
+    (full,) = epochs(make(rd.ArgumentStateStream(24), **kw), 1)
+    head, tail = interrupted(rd.ArgumentStateStream(24), k, **kw)
+    assert_same_batch_lists(full[:k], head, "before the stop")
+    assert_same_batch_lists(full[k:], tail, f"resumed after {k}")
+
+
+@pytest.mark.parametrize("fail", [rd.fail_always, rd.fail_past_start])
+@pytest.mark.parametrize("k", [2, 7])
+def test_a_failing_dataset_state_dict_loses_no_batch_and_resume_replays(fail, k):
+    """torch never calls the dataset's state_dict(): when it raises in a worker the
+    epoch goes on as torch's, and a resume falls back to the epoch's start (the
+    snapshot holds no position) and replays, giving the same batches."""
+    kw = dict(batch_size=3, snapshot_every_n_steps=2)
+    torch.manual_seed(5)
+    want = [clone_batch(b) for b in torch.utils.data.DataLoader(
+        rd.FailingStateStream(45, fail), batch_size=3, num_workers=2)]
+    torch.manual_seed(5)
+    got = [clone_batch(b) for b in fastloader.DataLoader(
+        rd.FailingStateStream(45, fail), batch_size=3, num_workers=2)]
+    assert_same_batch_lists(want, got, "a failing state_dict()")
+    (full,) = epochs(make(rd.FailingStateStream(45, fail), **kw), 1)
+    head, tail = interrupted(rd.FailingStateStream(45, fail), k, **kw)
+    assert_same_batch_lists(full[:k], head, "before the stop")
+    assert_same_batch_lists(full[k:], tail, f"resumed after {k}")
+
+
+@pytest.mark.parametrize("dataset, num_workers", [
+    ("map", 0), ("map", 2), ("stateful_iterable", 2), ("iterable", 2)])
+def test_the_state_loads_with_torch_load_defaults(tmp_path, num_workers, dataset):
+    """Lightning saves a resumable loader's state in every checkpoint, and both it
+    and torch.load default to weights_only=True: the state must load that way (it
+    held the workers' numpy RNG as an ndarray, which that loader refuses), and
+    resuming from the loaded copy must give the uninterrupted run's batches."""
+    if dataset == "map":
+        ds, kw = rd.RandomAugmented(40), dict(batch_size=4, shuffle=True)
+    else:
+        ds, kw = rd.CountingStream(45, dataset == "stateful_iterable"), dict(batch_size=3)
+    kw.update(num_workers=num_workers, snapshot_every_n_steps=2)
+    (full,) = epochs(make(ds, **kw), 1)
+    first = make(ds, **kw)
+    it = iter(first)
+    head = [clone_batch(next(it)) for _ in range(5)]
+    torch.save({"loader": first.state_dict()}, tmp_path / "ckpt.pt")
+    del it, first
+    state = torch.load(tmp_path / "ckpt.pt", weights_only=True)["loader"]
+    second = make(ds, seed=999, **kw)
+    second.load_state_dict(state)
+    tail = [clone_batch(b) for b in second]
+    if num_workers == 0:
+        # in-process randomness runs on the user's own RNGs, which no resume restores
+        assert [b["i"].tolist() for b in tail] == [b["i"].tolist() for b in full[5:]]
+        return
+    assert_same_batch_lists(full[:5], head, "before the stop")
+    assert_same_batch_lists(full[5:], tail, "resumed from disk")

@@ -49,3 +49,49 @@ class CountingStream(IterableDataset):
         if name in ("state_dict", "load_state_dict") and self.__dict__.get("stateful"):
             return getattr(self, "_" + name)
         raise AttributeError(name)
+
+
+class ArgumentStateStream(IterableDataset):
+    """A `state_dict` that needs arguments, as MosaicML streaming's
+    `StreamingDataset.state_dict(num_samples, from_beginning)` and litdata's
+    `state_dict(num_samples_yielded, num_workers, batch_size)` do (litdata also
+    refuses to run it in a worker). torch's DataLoader never calls it."""
+
+    def __init__(self, n=24):
+        self.n = n
+
+    def __iter__(self):
+        info = get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info else (0, 1)
+        for x in range(wid, self.n, nw):
+            yield {"x": x, "noise": torch.rand(1)}
+
+    def state_dict(self, num_samples, from_beginning):
+        if get_worker_info() is not None:
+            raise RuntimeError("state_dict() should only be called in the main process")
+        return {"sample_in_epoch": num_samples}
+
+    def load_state_dict(self, state):
+        raise AssertionError("a dataset whose state_dict needs arguments is not restored")
+
+
+class FailingStateStream(CountingStream):
+    """torchdata's Stateful protocol, but `state_dict()` fails when `fail` says so
+    (e.g. it reads what `__iter__` has not set up yet)."""
+
+    def __init__(self, n=45, fail=lambda pos: True):
+        super().__init__(n, stateful=True)
+        self.fail = fail
+
+    def _state_dict(self):
+        if self.fail(self._pos):
+            raise RuntimeError(f"no state at position {self._pos}")
+        return super()._state_dict()
+
+
+def fail_always(pos):
+    return True
+
+
+def fail_past_start(pos):
+    return pos > 0
