@@ -13,6 +13,7 @@ import dataclasses
 import os
 import pickle
 import signal
+import sys
 import threading
 import time
 import warnings
@@ -120,14 +121,46 @@ _PICKLE_HINT = (
     "You can also try multiprocessing.set_start_method('fork').")
 
 
+# What Python 3.12+ warns at os.fork() in a process with other threads, from there
+_FORK_WARNING = ("This process (pid={pid}) is multi-threaded, use of fork() may lead "
+                 "to deadlocks in the child.")
+_FORK_WARNING_MODULE = "multiprocessing.popen_fork"
+
+
+def _fork_warning_would_show() -> bool:
+    """Whether the warnings filters let that DeprecationWarning through (shown or
+    raised): by default they ignore it outside __main__."""
+    text = _FORK_WARNING.format(pid=os.getpid())
+    for action, message, category, module, lineno in warnings.filters:
+        if (_filter_matches(message, text) and issubclass(DeprecationWarning, category)
+                and _filter_matches(module, _FORK_WARNING_MODULE) and lineno == 0):
+            return action != "ignore"
+    return warnings.defaultaction != "ignore"
+
+
+def _filter_matches(pattern, text) -> bool:
+    # as the warnings machinery reads a filter: None matches anything, a compiled
+    # pattern matches from the start, a plain string (interpreter-made filters,
+    # such as the one for __main__) must be equal
+    if pattern is None:
+        return True
+    if isinstance(pattern, str):
+        return pattern == text
+    return pattern.match(text) is not None
+
+
 @contextlib.contextmanager
 def _reaper_thread_is_fork_safe(method):
     """Python 3.12+ warns at fork() when the process has other threads. While the
     reaper thread (reaper.py) waits for a past epoch's workers, that warning is
     about our own thread, which no fork catches holding a lock (see
     reaper._before_fork), and the child starts with a fresh reaper state: do not
-    let it fire for it."""
-    if method != "fork" or not reaper.busy():
+    let it fire for it. Only where it would fire and be seen: catch_warnings()
+    resets every module's record of the warnings it has shown, so a warning shown
+    "once per location" would show again after each epoch's fork (no such warning
+    before 3.12, and the default filters ignore it)."""
+    if (method != "fork" or sys.version_info < (3, 12) or not reaper.busy()
+            or not _fork_warning_would_show()):
         yield
         return
     with warnings.catch_warnings():

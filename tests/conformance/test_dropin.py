@@ -560,3 +560,76 @@ def test_the_iterable_length_warning_points_at_the_users_loop_as_torchs(asked, p
     expected = warned(TorchDataLoader)
     assert expected and {w[2] for w in expected} == {__file__}, expected   # torch's: this loop
     assert warned(DataLoader) == expected
+
+
+# -- warnings shown once per location stay shown once ----------------------------
+_ONCE_PER_LOCATION = textwrap.dedent("""
+    import sys, warnings, torch
+    from torch.utils.data import TensorDataset
+    if sys.argv[1] == "fastloader":
+        from fastloader import DataLoader
+    else:
+        from torch.utils.data import DataLoader
+    def user_code():
+        warnings.warn("a warning shown once per location", UserWarning)
+    loader = DataLoader(TensorDataset(torch.arange(8)), batch_size=4, num_workers=2,
+                        multiprocessing_context="fork")
+    for epoch in range(4):
+        for batch in loader:
+            user_code()
+    """)
+
+
+def test_a_warning_shown_once_per_location_is_not_shown_again_each_epoch(subprocess_env):
+    """The default action shows a warning once per location. fastloader entered
+    warnings.catch_warnings() around each fork while the previous epoch's workers
+    were being reaped, which resets every module's record of what it showed: from
+    the second epoch on the user's (and libraries') warnings came back once per epoch."""
+    counts = {}
+    for name in ("torch", "fastloader"):
+        out = subprocess.run([sys.executable, "-c", _ONCE_PER_LOCATION, name],
+                             capture_output=True, text=True, env=subprocess_env, timeout=300)
+        assert out.returncode == 0, out.stderr
+        counts[name] = out.stderr.count("a warning shown once per location")
+    assert counts == {"torch": 1, "fastloader": 1}
+
+
+@pytest.mark.parametrize("setup, shown", [
+    (lambda: None, False),                                          # the default filters
+    (lambda: warnings.simplefilter("error"), True),                 # -W error, pytest's -W error
+    (lambda: warnings.simplefilter("default"), True),
+    (lambda: (warnings.simplefilter("error"),
+              warnings.filterwarnings("ignore", category=DeprecationWarning)), False),
+    (lambda: (warnings.simplefilter("ignore"),
+              warnings.filterwarnings("always", module="multiprocessing")), True),
+    (lambda: (warnings.simplefilter("ignore"),
+              warnings.filterwarnings("always", message="This process")), True),
+    (lambda: (warnings.simplefilter("ignore"),
+              warnings.filterwarnings("always", message="other")), False),
+])
+def test_the_fork_warning_is_suppressed_only_where_it_would_show(setup, shown):
+    """Python 3.12+'s "multi-threaded fork" DeprecationWarning is only suppressed
+    (with catch_warnings, whose reset of the shown-warnings records is the price)
+    where the filters would let it through."""
+    from fastloader import pool
+
+    with warnings.catch_warnings():
+        warnings.resetwarnings()
+        for action, message, category, module, lineno in _default_filters():
+            warnings.filterwarnings(action, message=message, category=category,
+                                    module=module, lineno=lineno, append=True)
+        setup()
+        assert pool._fork_warning_would_show() is shown
+
+
+def _default_filters():
+    """A fresh interpreter's filters (pytest adds its own to this process's)."""
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import warnings, json
+        pattern = lambda p: getattr(p, "pattern", p) or ""
+        print(json.dumps([(a, pattern(m), c.__name__, pattern(mod), ln)
+                          for a, m, c, mod, ln in warnings.filters]))""")],
+        capture_output=True, text=True, timeout=120,
+        env=dict(os.environ, PYTHONWARNINGS=""))
+    import builtins
+    return [(a, m, getattr(builtins, c), mod, ln) for a, m, c, mod, ln in json.loads(out.stdout)]
