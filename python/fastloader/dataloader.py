@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import TypeVar
 
 from torch.utils.data import DataLoader as _TorchDataLoader
 
 from . import forkserver
 from . import resume as _resume
-from .install import warn_if_rebuilt_by_accelerate
+from .install import FastLoaderWarning, warn_if_rebuilt_by_accelerate
 from .iterator import FastMultiProcessingIter
 from .session import session_of
 from .sharing import DEFAULT_STRATEGY as _DEFAULT_STRATEGY
@@ -109,8 +110,19 @@ class DataLoader(_TorchDataLoader[T_co]):
     def load_state_dict(self, state: dict) -> None:
         """Make the next ``iter(loader)`` continue from ``state``. Raises
         ValueError if the state belongs to a different dataset length, batch
-        size, world size or number of workers."""
-        _resume.validate(self, state)
+        size or world size, or (for an IterableDataset, whose replicas are split
+        by worker) number of workers. A map-style epoch resumed with another
+        number of workers skips the batches already yielded, with fresh worker
+        RNGs (FastLoaderWarning)."""
+        if _resume.validate(self, state) and not state.get("fresh"):
+            warnings.warn(
+                f"fastloader: this state was saved with num_workers "
+                f"{state['fingerprint']['num_workers']} and this loader has "
+                f"{self.num_workers}: the epoch resumes after the batches already "
+                "yielded, but the workers' random streams start afresh, so random "
+                "augmentations differ from an uninterrupted run's", FastLoaderWarning,
+                stacklevel=2)
+            state = _resume.for_other_worker_count(state, self.num_workers)
         if state.get("fresh"):
             return
         if state.get("epoch_done"):

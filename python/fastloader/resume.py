@@ -183,7 +183,10 @@ def fingerprint(loader) -> dict:
     }
 
 
-def validate(loader, state):
+def validate(loader, state) -> bool:
+    """Raise ValueError unless `state` can resume `loader`. Returns True where only
+    the number of workers differs, for a map-style dataset (see
+    for_other_worker_count)."""
     if not isinstance(state, dict) or state.get("version") != VERSION:
         raise ValueError("fastloader: load_state_dict() expects a state from "
                          "fastloader.DataLoader.state_dict() (version "
@@ -192,12 +195,28 @@ def validate(loader, state):
     names = {"dataset_len": "dataset length", "batch_size": "batch size",
              "drop_last": "drop_last", "world_size": "world size",
              "num_workers": "num_workers"}
+    other_workers = False
     for key, label in names.items():
         if saved.get(key) != now.get(key):
+            if key == "num_workers" and not isinstance(loader.dataset, IterableDataset):
+                other_workers = True
+                continue
             raise ValueError(
                 f"fastloader: cannot resume: the state was saved with {label} "
                 f"{saved.get(key)!r} but this loader has {label} {now.get(key)!r}; "
                 "resuming would silently yield different batches")
+    return other_workers
+
+
+def for_other_worker_count(state: dict, num_workers: int) -> dict:
+    """`state` for a loader with another num_workers, over a map-style dataset: its
+    index batches do not depend on the workers, so the batches already yielded are
+    skipped as ever; the workers' snapshots cannot be mapped onto other workers
+    and are dropped, so the new workers' random streams start as a fresh epoch's.
+    (An IterableDataset's replicas are split by worker: validate() refuses it.)"""
+    return dict(state, workers=[], next_seq=state.get("next_seq", state["yielded"]),
+                next_worker=state.get("next_worker", 0) % max(1, num_workers),
+                delivered_ahead=state.get("delivered_ahead", []))
 
 
 # -- worker process ----------------------------------------------------------------

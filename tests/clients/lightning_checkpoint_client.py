@@ -1,10 +1,10 @@
 """PyTorch Lightning checkpoints taken while training on the loader. Lightning saves
 the state of a loader that has state_dict()/load_state_dict() (fastloader's) in
 every checkpoint, and it and torch.load default to weights_only=True. Usage:
-LOADER OUT. Trains one epoch (the default ModelCheckpoint saves at its end), then
-loads that checkpoint three ways with Lightning's and torch's defaults, and saves
-what each gave."""
-import glob
+LOADER OUT RESUME_WORKERS. Trains two epochs of 4 batches with 2 workers, a
+checkpoint every 3 steps; loads the one taken mid-epoch (step 3) with Lightning's
+and torch's defaults, then trains on from it with RESUME_WORKERS workers, and
+saves the steps of both runs."""
 import os
 
 import torch
@@ -12,15 +12,17 @@ from torch.utils.data import TensorDataset
 
 from tests.clients.client_common import parse_argv, save
 
-DataLoader, OUT, _ = parse_argv()
+DataLoader, OUT, (RESUME_WORKERS,) = parse_argv()
 ROOT = OUT + ".lightning"   # this run's checkpoints, apart from the other loader's
 
 import lightning as L  # noqa: E402  (after the loader's import, as a user's script)
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 
 class Model(L.LightningModule):
-    def __init__(self):
+    def __init__(self, workers=2):
         super().__init__()
+        self.workers = workers
         self.lin = torch.nn.Linear(1, 1)
         self.steps = []
 
@@ -33,21 +35,23 @@ class Model(L.LightningModule):
 
     def train_dataloader(self):
         return DataLoader(TensorDataset(torch.arange(16)), batch_size=4, shuffle=True,
-                          num_workers=2)
+                          num_workers=self.workers)
 
 
-def trainer(epochs):
-    return L.Trainer(accelerator="cpu", max_epochs=epochs, logger=False,
-                     enable_progress_bar=False, enable_model_summary=False,
-                     default_root_dir=ROOT)
+def fit(model, ckpt_path=None):
+    L.seed_everything(0, verbose=False)
+    every = ModelCheckpoint(dirpath=ROOT, every_n_train_steps=3, save_top_k=-1,
+                            filename="{step}")
+    L.Trainer(accelerator="cpu", max_epochs=2, logger=False, enable_progress_bar=False,
+              enable_model_summary=False, default_root_dir=ROOT,
+              callbacks=[every]).fit(model, ckpt_path=ckpt_path)
+    return model.steps
 
 
-L.seed_everything(0)
-trainer(1).fit(Model())
-(ckpt,) = glob.glob(os.path.join(ROOT, "**", "*.ckpt"), recursive=True)
+full = fit(Model())
+ckpt = os.path.join(ROOT, "step=3.ckpt")
 raw = torch.load(ckpt)   # torch's default: weights_only=True
 Model.load_from_checkpoint(ckpt)
-resumed = Model()
-trainer(2).fit(resumed, ckpt_path=ckpt)
+resumed = fit(Model(int(RESUME_WORKERS)), ckpt)
 save(OUT, loader_state="combined_loader" in raw["loops"]["fit_loop"]["state_dict"],
-     resumed_steps=resumed.steps)
+     full_steps=full, resumed_steps=resumed)

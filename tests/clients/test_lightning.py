@@ -35,15 +35,24 @@ def test_trainer_trains_as_with_torch(out_dir, devices, where):
         assert not torch.equal(ref["batches"][0][0][1], ref["batches"][1][0][1])
 
 
-def test_a_checkpoint_loads_with_the_defaults_and_resumes(out_dir):
+@pytest.mark.parametrize("resume_workers", [2, 1])
+def test_a_mid_epoch_checkpoint_loads_with_the_defaults_and_resumes(out_dir, resume_workers):
     """Lightning stores fastloader's loader state in each checkpoint (torch's
-    loader has none): the checkpoint must still load with torch.load's and
-    Lightning's defaults (weights_only=True), which refused the numpy RNG state
-    the workers' snapshots held, and training must resume from it."""
-    ref = run_client("lightning_checkpoint_client.py", "torch", out_dir)
-    got = run_client("lightning_checkpoint_client.py", "fastloader", out_dir)
+    loader has none): the checkpoint must load with torch.load's and Lightning's
+    defaults (weights_only=True), which refused the numpy RNG state the workers'
+    snapshots held, and training must resume from it, also with another number
+    of workers (which made fastloader's resume raise). fastloader's loader
+    resumes mid-epoch, as Lightning does torchdata's StatefulDataLoader; torch's
+    restarts the interrupted epoch (its fourth step draws a new first batch)."""
+    ref = run_client("lightning_checkpoint_client.py", "torch", out_dir, resume_workers)
+    got = run_client("lightning_checkpoint_client.py", "fastloader", out_dir, resume_workers)
     assert not ref["loader_state"] and got["loader_state"]
-    # resumed at the start of the second epoch: 16 samples, batch 4
     for run in (ref, got):
-        assert [(e, i) for e, i, _ in run["resumed_steps"]] == [(1, i) for i in range(4)]
-        assert sorted(x for *_, b in run["resumed_steps"] for x in b) == list(range(16))
+        # 2 epochs of 16 samples, batch 4; resumed after the step-3 checkpoint
+        assert [(e, i) for e, i, _ in run["full_steps"]] == [(e, i) for e in (0, 1) for i in range(4)]
+        assert [(e, i) for e, i, _ in run["resumed_steps"]] == [(0, 3)] + [(1, i) for i in range(4)]
+    assert got["full_steps"] == ref["full_steps"]
+    # the interrupted epoch's last batch, exactly as the uninterrupted run had it
+    assert got["resumed_steps"][0] == got["full_steps"][3]
+    if resume_workers == 2:   # the same workers: the next epoch too
+        assert got["resumed_steps"][1:] == got["full_steps"][4:]
