@@ -110,11 +110,12 @@ class DataLoader(_TorchDataLoader[T_co]):
     def load_state_dict(self, state: dict) -> None:
         """Make the next ``iter(loader)`` continue from ``state``. Raises
         ValueError if the state belongs to a different dataset length, batch
-        size or world size, or (for an IterableDataset, whose replicas are split
-        by worker) number of workers. A map-style epoch resumed with another
+        size or world size, or (mid-epoch, for an IterableDataset, whose replicas
+        are split by worker) number of workers. A map-style epoch resumed with another
         number of workers skips the batches already yielded, with fresh worker
         RNGs (FastLoaderWarning)."""
-        if _resume.validate(self, state) and not state.get("fresh"):
+        if _resume.validate(self, state) and not state.get("fresh") \
+                and not state.get("epoch_done"):
             warnings.warn(
                 f"fastloader: this state was saved with num_workers "
                 f"{state['fingerprint']['num_workers']} and this loader has "

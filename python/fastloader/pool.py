@@ -10,6 +10,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import functools
+import inspect
 import os
 import pickle
 import signal
@@ -18,7 +20,7 @@ import threading
 import time
 import warnings
 import weakref
-from multiprocessing import reduction, util as _mp_util
+from multiprocessing import popen_fork, reduction, util as _mp_util
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -128,14 +130,26 @@ _FORK_WARNING_MODULE = "multiprocessing.popen_fork"
 
 
 def _fork_warning_would_show() -> bool:
-    """Whether the warnings filters let that DeprecationWarning through (shown or
-    raised): by default they ignore it outside __main__."""
+    """Whether the warnings filters let that DeprecationWarning be shown: by
+    default they ignore it outside __main__, and CPython drops it where a filter
+    makes it an error (it cannot raise from inside fork)."""
     text = _FORK_WARNING.format(pid=os.getpid())
     for action, message, category, module, lineno in warnings.filters:
         if (_filter_matches(message, text) and issubclass(DeprecationWarning, category)
-                and _filter_matches(module, _FORK_WARNING_MODULE) and lineno == 0):
-            return action != "ignore"
-    return warnings.defaultaction != "ignore"
+                and _filter_matches(module, _FORK_WARNING_MODULE)
+                and lineno in (0, _fork_call_line())):
+            return action not in ("ignore", "error")
+    return warnings.defaultaction not in ("ignore", "error")
+
+
+@functools.lru_cache(maxsize=None)
+def _fork_call_line() -> int:
+    """The line of multiprocessing's os.fork() call, where that warning points."""
+    try:
+        lines, first = inspect.getsourcelines(popen_fork.Popen._launch)
+    except (OSError, TypeError, AttributeError):
+        return -1
+    return next((first + i for i, line in enumerate(lines) if "os.fork()" in line), -1)
 
 
 def _filter_matches(pattern, text) -> bool:

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
+from . import _core
 from .protocol import Replay, Restore
 
 VERSION = 1
@@ -185,8 +186,8 @@ def fingerprint(loader) -> dict:
 
 def validate(loader, state) -> bool:
     """Raise ValueError unless `state` can resume `loader`. Returns True where only
-    the number of workers differs, for a map-style dataset (see
-    for_other_worker_count)."""
+    the number of workers differs, for a map-style dataset or a state taken
+    outside an epoch (see for_other_worker_count)."""
     if not isinstance(state, dict) or state.get("version") != VERSION:
         raise ValueError("fastloader: load_state_dict() expects a state from "
                          "fastloader.DataLoader.state_dict() (version "
@@ -198,7 +199,11 @@ def validate(loader, state) -> bool:
     other_workers = False
     for key, label in names.items():
         if saved.get(key) != now.get(key):
-            if key == "num_workers" and not isinstance(loader.dataset, IterableDataset):
+            # a map-style epoch's batches do not depend on the workers, nor does
+            # any state outside an epoch (before the first, or between two)
+            if key == "num_workers" and (
+                    not isinstance(loader.dataset, IterableDataset)
+                    or state.get("fresh") or state.get("epoch_done")):
                 other_workers = True
                 continue
             raise ValueError(
@@ -213,21 +218,35 @@ def for_other_worker_count(state: dict, num_workers: int) -> dict:
     index batches do not depend on the workers, so the batches already yielded are
     skipped as ever; the workers' snapshots cannot be mapped onto other workers
     and are dropped, so the new workers' random streams start as a fresh epoch's.
-    (An IterableDataset's replicas are split by worker: validate() refuses it.)"""
+    (An IterableDataset's replicas are split by worker: validate() refuses it
+    mid-epoch.)"""
     return dict(state, workers=[], next_seq=state.get("next_seq", state["yielded"]),
                 next_worker=state.get("next_worker", 0) % max(1, num_workers),
                 delivered_ahead=state.get("delivered_ahead", []))
 
 
 # -- worker process ----------------------------------------------------------------
+_NO_ARGUMENTS = {}   # function -> whether it can be called with none (snapshots ask often)
+
+
 def _takes_no_arguments(method) -> bool:
+    key = getattr(method, "__func__", method)
+    try:
+        return _NO_ARGUMENTS[key]
+    except (KeyError, TypeError):   # TypeError: an unhashable callable
+        pass
     try:
         inspect.signature(method).bind()
+        answer = True
     except TypeError:
-        return False
+        answer = False
     except ValueError:   # no signature to read (some builtins): assume the protocol's
-        return True
-    return True
+        answer = True
+    try:
+        _NO_ARGUMENTS[key] = answer
+    except TypeError:
+        pass
+    return answer
 
 
 def _stateful(dataset) -> bool:
@@ -261,13 +280,18 @@ def _set_numpy_state(state):
 
 def take_snapshot(dataset, tasks_done: int) -> dict:
     """A worker's state before one of its tasks. torch's DataLoader never calls the
-    dataset's `state_dict()`: if it fails here, the batch is not lost, the
-    snapshot only goes without the dataset's position (see `has_position`)."""
+    dataset's `state_dict()`: if it fails here, or returns what cannot be sent,
+    the batch is not lost, the snapshot only goes without the dataset's position
+    (see `has_position`)."""
     snap = {"k": tasks_done, "random": random.getstate(), "torch": torch.get_rng_state(),
             "numpy": _numpy_state()}
     if _stateful(dataset):
         try:
-            snap["dataset"] = dataset.state_dict()
+            state = dataset.state_dict()
+            # it travels with the batch: one that cannot be sent (a lock, an open
+            # file) must not take the batch down with it
+            _core.encode(state)
+            snap["dataset"] = state
         except Exception as exc:
             snap["dataset_error"] = f"{type(exc).__name__}: {exc}"
     return snap

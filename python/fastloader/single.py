@@ -35,14 +35,34 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
             self._epoch = state["epoch"]
             _resume.restore_rng(self._loader_generator, state["sampler_rng"])
             self._sampler_rng = state["sampler_rng"]
-            for _ in range(state["yielded"]):   # skip without fetching
+            # skip without fetching: the batches before the next one due, and
+            # (from a loader with in_order=False and workers) those it had
+            # already yielded past it
+            for _ in range(state.get("next_seq", state["yielded"])):
                 try:
                     self._next_index()
                 except StopIteration:
                     break
+            ahead = set(state.get("delivered_ahead", ()))
+            if ahead:
+                self._skip = (state.get("next_seq", state["yielded"]), ahead)
+                self._next_index = self._next_index_skipping
             self._num_yielded = state["yielded"]
         else:
             self._sampler_rng = _resume.capture_rng(self._loader_generator)
+
+    def _next_index_skipping(self):
+        seq, ahead = self._skip
+        while True:
+            index = super()._next_index()
+            self._skip = (seq + 1, ahead)
+            if seq not in ahead:
+                return index
+            ahead.discard(seq)
+            if not ahead:   # all skipped: back to torch's own method
+                del self.__dict__["_next_index"]
+                return super()._next_index()
+            seq += 1
 
     def _next_data(self):
         try:

@@ -596,7 +596,8 @@ def test_a_warning_shown_once_per_location_is_not_shown_again_each_epoch(subproc
 
 @pytest.mark.parametrize("setup, shown", [
     (lambda: None, False),                                          # the default filters
-    (lambda: warnings.simplefilter("error"), True),                 # -W error, pytest's -W error
+    # CPython drops it where it would be an error (-W error, pytest's -W error)
+    (lambda: warnings.simplefilter("error"), False),
     (lambda: warnings.simplefilter("default"), True),
     (lambda: (warnings.simplefilter("error"),
               warnings.filterwarnings("ignore", category=DeprecationWarning)), False),
@@ -606,6 +607,12 @@ def test_a_warning_shown_once_per_location_is_not_shown_again_each_epoch(subproc
               warnings.filterwarnings("always", message="This process")), True),
     (lambda: (warnings.simplefilter("ignore"),
               warnings.filterwarnings("always", message="other")), False),
+    (lambda: (warnings.simplefilter("ignore"),   # the line of multiprocessing's fork call
+              warnings.filterwarnings("always", module="multiprocessing",
+                                      lineno=_fork_line())), True),
+    (lambda: (warnings.simplefilter("ignore"),
+              warnings.filterwarnings("always", module="multiprocessing",
+                                      lineno=_fork_line() + 1)), False),
 ])
 def test_the_fork_warning_is_suppressed_only_where_it_would_show(setup, shown):
     """Python 3.12+'s "multi-threaded fork" DeprecationWarning is only suppressed
@@ -620,6 +627,13 @@ def test_the_fork_warning_is_suppressed_only_where_it_would_show(setup, shown):
                                     module=module, lineno=lineno, append=True)
         setup()
         assert pool._fork_warning_would_show() is shown
+
+
+def _fork_line():
+    import inspect
+    import multiprocessing.popen_fork
+    lines, first = inspect.getsourcelines(multiprocessing.popen_fork.Popen._launch)
+    return next(first + i for i, line in enumerate(lines) if "self.pid = os.fork()" in line)
 
 
 def _default_filters():

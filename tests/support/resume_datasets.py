@@ -95,3 +95,32 @@ def fail_always(pos):
 
 def fail_past_start(pos):
     return pos > 0
+
+
+class SlowAt(Dataset):
+    """Map-style; the samples in `slow` take `delay` seconds, so that with
+    in_order=False the batches after theirs are delivered ahead of them."""
+
+    def __init__(self, n=40, slow=(8,), delay=0.6):
+        self.n, self.slow, self.delay = n, frozenset(slow), delay
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i in self.slow:
+            import time
+            time.sleep(self.delay)
+        return {"i": i, "r": random.random()}
+
+
+class UnsendableStateStream(CountingStream):
+    """torchdata's Stateful protocol, but the state holds a lock: it cannot travel
+    to the main process with the batch."""
+
+    def __init__(self, n=45):
+        super().__init__(n, stateful=True)
+
+    def _state_dict(self):
+        import threading
+        return {"pos": self._pos, "lock": threading.Lock()}
