@@ -241,7 +241,8 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         _resume.restore_rng(self._loader_generator, state["sampler_rng"])
         target = state["next_seq"]
         draw = (lambda: as_list(self._next_index())) if self._sends_ranges else self._next_index
-        index_of = _resume.indices_to_replay(state, draw)
+        index_of = _resume.indices_to_replay(state, draw,
+                                             self._dataset_kind == _DatasetKind.Iterable)
         # tasks the interrupted run had handed out past `target` are sent anew,
         # except those it delivered already (in_order=False)
         self._ahead_to_skip = set(state.get("delivered_ahead", ()))

@@ -122,14 +122,23 @@ class EpochTracker:
             self.epoch_snap[wid] = w.get("epoch_snap_entry")
             self.since_snap[wid] = SeqRuns(w["replay"])
             self.epoch_tasks[wid] = SeqRuns(w.get("epoch_tasks", ()))
+        # a later state_dict() must still tell the batches delivered ahead
+        self.ahead = set(state.get("delivered_ahead", ()))
 
 
-def indices_to_replay(state: dict, next_index) -> dict:
+def indices_to_replay(state: dict, next_index, iterable: bool = False) -> dict:
     """Draw the saved run's batches of indices up to its next batch (skipped, not
-    fetched) from `next_index`; returns {seq: indices} of those a worker must replay."""
+    fetched) from `next_index`; returns {seq: indices} of those a worker must replay.
+    For an IterableDataset also those of the batches delivered ahead of the next
+    one (in_order=False): each advanced its worker's stream, so its worker replays
+    it too. (Its sampler yields the same thing forever, so drawing past the next
+    batch changes nothing that is drawn later; a map-style sampler's would.)"""
     needed = {seq for w in state["workers"] for seq in SeqRuns(w["replay"])}
+    last = state["next_seq"]
+    if iterable and needed:
+        last = max(last, max(needed) + 1)
     index_of = {}
-    for seq in range(state["next_seq"]):
+    for seq in range(last):
         try:
             index = next_index()
         except StopIteration:

@@ -1,6 +1,8 @@
 """Mid-epoch resume: stop after k batches, save, restore into a fresh loader (as
 a restarted job would), and the rest of the epoch equals an uninterrupted run,
 batch by batch, including values drawn from worker RNGs."""
+import warnings
+
 import pytest
 import torch
 from torch.utils.data.distributed import DistributedSampler
@@ -311,4 +313,50 @@ def test_an_in_order_false_state_resumes_each_batch_once_with_another_number_of_
     with pytest.warns(fastloader.FastLoaderWarning):
         second.load_state_dict(state)
     firsts = [b["i"][0].item() for b in head] + [b["i"][0].item() for b in second]
+    assert sorted(firsts) == list(range(0, 40, 4))
+
+
+@pytest.mark.parametrize("stateful", [True, False])
+@pytest.mark.parametrize("every", [0, 2])
+def test_an_iterable_in_order_false_state_resumes_each_sample_once(stateful, every):
+    """With in_order=False a worker's stream moves on for the batches it delivered
+    ahead of the next one due: a resumed worker replays those too (they used to
+    be skipped, so their samples came again)."""
+    kw = dict(batch_size=3, in_order=False, snapshot_every_n_steps=every)
+    first = make(rd.SlowStream(48, stateful, slow=(6,)), **kw)
+    it = iter(first)
+    head = [clone_batch(next(it)) for _ in range(5)]
+    state = first.state_dict()
+    del it, first
+    assert state["delivered_ahead"], "the slow batch did not fall behind"
+    second = make(rd.SlowStream(48, stateful, slow=()), seed=999, **kw)
+    second.load_state_dict(state)
+    xs = [x for b in head + [clone_batch(b) for b in second] for x in b["x"].tolist()]
+    assert sorted(xs) == list(range(48))
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_a_resumed_in_order_false_run_saves_its_batches_delivered_ahead(workers):
+    """Saved again before the batches delivered ahead were passed, a resumed run's
+    state must still hold them (it lost them, and the next resume repeated them)."""
+    kw = dict(batch_size=4, in_order=False)
+    first = make(rd.SlowAt(40, slow=(8,)), **kw)
+    it = iter(first)
+    head = [clone_batch(next(it)) for _ in range(4)]
+    s1 = first.state_dict()
+    del it, first
+    assert s1["delivered_ahead"], "the slow batch did not fall behind"
+    second = make(rd.SlowAt(40, slow=()), seed=999, num_workers=workers, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fastloader.FastLoaderWarning)   # 2 -> 3 workers
+        second.load_state_dict(s1)
+    it = iter(second)
+    mid = [clone_batch(next(it))]
+    s2 = second.state_dict()
+    del it, second
+    third = make(rd.SlowAt(40, slow=()), seed=5, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fastloader.FastLoaderWarning)
+        third.load_state_dict(s2)
+    firsts = [b["i"][0].item() for b in head + mid + [clone_batch(b) for b in third]]
     assert sorted(firsts) == list(range(0, 40, 4))

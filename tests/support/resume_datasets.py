@@ -124,3 +124,19 @@ class UnsendableStateStream(CountingStream):
     def _state_dict(self):
         import threading
         return {"pos": self._pos, "lock": threading.Lock()}
+
+
+class SlowStream(CountingStream):
+    """CountingStream whose items in `slow` take `delay` seconds (with
+    in_order=False, the batches after theirs are delivered ahead of them)."""
+
+    def __init__(self, n=48, stateful=True, slow=(6,), delay=0.5):
+        super().__init__(n, stateful)
+        self.slow, self.delay = frozenset(slow), delay
+
+    def __iter__(self):
+        import time
+        for item in super().__iter__():
+            if item["x"] in self.slow:
+                time.sleep(self.delay)
+            yield item
