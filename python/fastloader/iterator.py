@@ -111,6 +111,12 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         self._resume_state = resume_state
         if resume_state is not None and resume_state.get("epoch_done"):
             self._epoch = resume_state["epoch"]   # the next one starts afresh
+            if loader.persistent_workers:
+                # The uninterrupted run's persistent workers drew no seed for this
+                # epoch: undo this new iterator's draw, so its sampler draws the
+                # uninterrupted run's order (its workers start freshly seeded)
+                _resume.restore_rng(self._loader_generator, resume_state["rng_now"])
+                self._base_seed = resume_state["base_seed"]
         elif resume_state is not None:
             # the workers must be seeded as in the interrupted run
             self._base_seed = resume_state["base_seed"]

@@ -85,9 +85,13 @@ def test_single_process_resume(k):
     assert [b["i"].tolist() for b in got] == [b["i"].tolist() for b in full[k:]]
 
 
-def test_state_between_epochs_starts_the_next_epoch():
+@pytest.mark.parametrize("persistent", [False, True])
+def test_state_between_epochs_starts_the_next_epoch(persistent):
+    """With persistent workers too: the uninterrupted run's workers drew no seed
+    for the next epoch, and the resumed loader's new ones did, which shifted its
+    shuffle (the workers' own randomness starts afresh there, see the README)."""
     ds = rd.RandomAugmented(24)
-    kw = dict(batch_size=4, shuffle=True)
+    kw = dict(batch_size=4, shuffle=True, persistent_workers=persistent)
     loader = make(ds, **kw)
     (e1,) = epochs(loader, 1)
     state = loader.state_dict()
@@ -95,6 +99,9 @@ def test_state_between_epochs_starts_the_next_epoch():
     other = make(ds, seed=5, **kw)
     other.load_state_dict(state)
     (again,) = epochs(other, 1)
+    if persistent:
+        assert [b["i"].tolist() for b in again] == [b["i"].tolist() for b in e2]
+        return
     assert_same_batch_lists(e2, again, "the epoch after a saved finished epoch")
 
 
