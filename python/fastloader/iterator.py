@@ -230,9 +230,11 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
                 # a ring still full of an abandoned epoch's tasks takes the resume
                 # once its worker has read on
                 unsent = [ch for ch in unsent if not ch.offer_task(TASK_RESUME, -1, seed)]
-                _wid, seq, kind, _data, _where = self._get_data()
+                wid, seq, kind, data, _where = self._get_data()
                 if kind == RES_RESUMED:
                     waiting -= 1
+                    if data is not None:   # a copy: it must not pin a ring slot
+                        self._tracker.epoch_started(wid, copy.deepcopy(data))
                 # anything else is left over from an abandoned epoch: dropped
         state, self._resume_state = self._resume_state, None
         if state is not None and not state.get("epoch_done"):

@@ -28,7 +28,7 @@ RES_DEAD = 0        # made by the main process's watcher: the worker died
 RES_BATCH = 1       # payload: the batch
 RES_ERROR = 2       # payload: an ExceptionWrapper (recv(): or the exception rebuilding it raised)
 RES_ITER_END = 3    # the worker's IterableDataset replica is exhausted
-RES_RESUMED = 4     # acknowledges TASK_RESUME
+RES_RESUMED = 4     # acknowledges TASK_RESUME, with the worker's snapshot (resume.py)
 RES_BATCH_SNAP = 5  # payload: (batch, worker snapshot) for resuming
 
 # ---- where a result's payload travelled (stats) ----------------------------------------

@@ -89,6 +89,14 @@ class EpochTracker:
             self.since_snap[worker].append(seq)
         self.epoch_tasks[worker].append(seq)
 
+    def epoch_started(self, worker: int, snap) -> None:
+        """A persistent worker's snapshot as a new epoch began: its RNGs carry on
+        from the last epoch, so until its first batch of this epoch arrives (with
+        the same snapshot), this is the one a resume must restore."""
+        entry = (-1, snap)
+        self.snap[worker] = self.epoch_snap[worker] = entry
+        self.since_snap[worker] = SeqRuns()
+
     def delivered_ahead(self, seq: int) -> None:
         self.ahead.add(seq)
 

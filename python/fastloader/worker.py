@@ -273,7 +273,9 @@ class _Loop:
             self.fetcher = None   # as after a failed start: later batches fail too
             self.init_error = _wrap_exception(self.wid, -1, None,
                                               context="in the dataset's __iter__")
-        self.chan.publish(RES_RESUMED, seq)
+        # the RNGs carry on from the last epoch: the main process keeps this, for a
+        # state_dict() taken before this worker's first batch of the epoch arrives
+        self.chan.publish(RES_RESUMED, seq, _resume.take_snapshot(self.dataset, 0))
 
     def on_control(self, message):
         """Resume messages from the main process (resume.py)."""

@@ -49,10 +49,14 @@ def test_map_style_shuffled_resume_matches_uninterrupted(k, every):
     assert_same_batch_lists(full[k:], tail, f"resumed after {k}")
 
 
-@pytest.mark.parametrize("k", [3, 9])
-def test_persistent_workers_resume_in_second_epoch(k):
+@pytest.mark.parametrize("every", [0, 1])
+@pytest.mark.parametrize("k", [0, 1, 3, 9])
+def test_persistent_workers_resume_in_second_epoch(k, every):
+    """k=0 and 1: saved before a worker's first batch of the epoch arrived; its RNGs
+    carry on from the last epoch, and it used to resume freshly seeded."""
     ds = rd.RandomAugmented(40)
-    kw = dict(batch_size=4, shuffle=True, persistent_workers=True, snapshot_every_n_steps=1)
+    kw = dict(batch_size=4, shuffle=True, persistent_workers=True,
+              snapshot_every_n_steps=every)
     full = epochs(make(ds, **kw), 2)
     head, tail = interrupted(ds, k, epoch=1, **kw)
     assert_same_batch_lists(full[1][:k], head, "epoch 2 before the stop")
