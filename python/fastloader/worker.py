@@ -280,9 +280,18 @@ class _Loop:
     def on_control(self, message):
         """Resume messages from the main process (resume.py)."""
         if isinstance(message, Restore):
-            self.done = _resume.restore_snapshot(self.dataset, message.snapshot)
             self.iteration_end = False
-            self._new_fetcher()
+            try:
+                self.done = _resume.restore_snapshot(self.dataset, message.snapshot)
+                self._new_fetcher()
+            except Exception:
+                # as a failing __iter__ at an epoch's start: the worker lives on,
+                # and its first batch of the resumed epoch raises this, traceback
+                # and all (it used to die: "exited unexpectedly")
+                self.fetcher = None
+                self.init_error = _wrap_exception(
+                    self.wid, -1, None,
+                    context="resuming: in the dataset's load_state_dict or __iter__")
         elif isinstance(message, Replay):
             # re-run a task the interrupted run delivered, for its side effects on
             # RNGs and iterator position; the batch is dropped

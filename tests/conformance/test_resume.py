@@ -371,3 +371,20 @@ def test_a_resumed_in_order_false_run_saves_its_batches_delivered_ahead(workers)
         third.load_state_dict(s2)
     firsts = [b["i"][0].item() for b in head + mid + [clone_batch(b) for b in third]]
     assert sorted(firsts) == list(range(0, 40, 4))
+
+
+def test_a_dataset_load_state_dict_that_raises_is_the_resumed_epochs_error():
+    """The dataset's own error, with its traceback, in the resumed epoch's turn; the
+    worker lived on (it died, and the error was "exited unexpectedly")."""
+    kw = dict(batch_size=3, snapshot_every_n_steps=2)
+    first = make(rd.FailingRestoreStream(45), **kw)
+    it = iter(first)
+    for _ in range(4):
+        next(it)
+    state = first.state_dict()
+    del it, first
+    second = make(rd.FailingRestoreStream(45), **kw)
+    second.load_state_dict(state)
+    with pytest.raises(RuntimeError, match="cannot restore") as info:
+        list(second)
+    assert "load_state_dict" in str(info.value) and "WorkerError" not in type(info.value).__name__

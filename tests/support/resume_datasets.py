@@ -140,3 +140,13 @@ class SlowStream(CountingStream):
             if item["x"] in self.slow:
                 time.sleep(self.delay)
             yield item
+
+
+class FailingRestoreStream(CountingStream):
+    """torchdata's Stateful protocol, but `load_state_dict()` raises."""
+
+    def __init__(self, n=45):
+        super().__init__(n, stateful=True)
+
+    def _load_state_dict(self, state):
+        raise RuntimeError(f"cannot restore {state}")
