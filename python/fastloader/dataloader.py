@@ -104,6 +104,8 @@ class DataLoader(_TorchDataLoader[T_co]):
         else:
             state = {"version": _resume.VERSION, "fresh": True}
         state["rng_now"] = _resume.capture_rng(self.generator)
+        # whether this loader's next epoch draws no base seed (see the iterators)
+        state["persistent"] = bool(self.persistent_workers and self.num_workers > 0)
         state["fingerprint"] = _resume.fingerprint(self)
         return state
 

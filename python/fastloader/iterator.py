@@ -111,10 +111,10 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         self._resume_state = resume_state
         if resume_state is not None and resume_state.get("epoch_done"):
             self._epoch = resume_state["epoch"]   # the next one starts afresh
-            if loader.persistent_workers:
-                # The uninterrupted run's persistent workers drew no seed for this
-                # epoch: undo this new iterator's draw, so its sampler draws the
-                # uninterrupted run's order (its workers start freshly seeded)
+            if resume_state.get("persistent", loader.persistent_workers):
+                # The saving run's persistent workers drew no seed for this epoch:
+                # undo this new iterator's draw, so its sampler draws that run's
+                # order (its workers start freshly seeded)
                 _resume.restore_rng(self._loader_generator, resume_state["rng_now"])
                 self._base_seed = resume_state["base_seed"]
         elif resume_state is not None:
@@ -238,8 +238,12 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
                 # anything else is left over from an abandoned epoch: dropped
         state, self._resume_state = self._resume_state, None
         if state is not None and not state.get("epoch_done"):
+            # the epoch's starting RNG, for a later state_dict(): the fast-forward
+            # draws from the generator (a resumed resume shuffled otherwise)
+            self._sampler_rng = state["sampler_rng"].clone()
             self._fast_forward(state)
-        self._sampler_rng = _resume.capture_rng(self._loader_generator)
+        else:
+            self._sampler_rng = _resume.capture_rng(self._loader_generator)
         for _ in range(self._prefetch_factor * self._num_workers):
             self._try_put_index()
 

@@ -31,6 +31,10 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         self._epoch += 1
         self._epoch_done = False
         state, self._resume_state = self._resume_state, None
+        if state is not None and state.get("epoch_done") and state.get("persistent"):
+            # the saving run's persistent workers drew no seed for this epoch, and
+            # torch's iterator here did: undo it, for that run's order
+            _resume.restore_rng(self._loader_generator, state["rng_now"])
         if state is not None and not state.get("epoch_done"):
             self._epoch = state["epoch"]
             _resume.restore_rng(self._loader_generator, state["sampler_rng"])
@@ -82,7 +86,11 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
             pass
 
     def state_dict(self):
-        return {"version": _resume.VERSION, "epoch": self._epoch,
-                "epoch_done": self._epoch_done, "base_seed": self._base_seed,
-                "sampler_rng": self._sampler_rng, "yielded": self._num_yielded,
-                "workers": []}
+        state = {"version": _resume.VERSION, "epoch": self._epoch,
+                 "epoch_done": self._epoch_done, "base_seed": self._base_seed,
+                 "sampler_rng": self._sampler_rng, "yielded": self._num_yielded,
+                 "workers": []}
+        if "_next_index" in self.__dict__:   # still skipping batches delivered ahead
+            seq, ahead = self._skip
+            state.update(next_seq=seq, delivered_ahead=sorted(ahead))
+        return state

@@ -211,9 +211,11 @@ class _Loop:
         self.dataset = _seed_datapipe(spec.dataset, spec.shared_seed)
         self.collate_fn = worker_collate(spec.collate_fn)
         self.init_error = None
+        self.end_after_error = False   # a failed resume ends an iterable's replica
         self.fetcher = None
         self.iteration_end = False
         self.done = 0
+        self.epoch_snapshot = None     # taken at a persistent epoch's start, for its first task
 
     def start(self, seed):
         spec = self.spec
@@ -274,13 +276,16 @@ class _Loop:
             self.init_error = _wrap_exception(self.wid, -1, None,
                                               context="in the dataset's __iter__")
         # the RNGs carry on from the last epoch: the main process keeps this, for a
-        # state_dict() taken before this worker's first batch of the epoch arrives
-        self.chan.publish(RES_RESUMED, seq, _resume.take_snapshot(self.dataset, 0))
+        # state_dict() taken before this worker's first batch of the epoch arrives;
+        # the first task's snapshot is the same one (the dataset is asked once)
+        self.epoch_snapshot = _resume.take_snapshot(self.dataset, 0)
+        self.chan.publish(RES_RESUMED, seq, self.epoch_snapshot)
 
     def on_control(self, message):
         """Resume messages from the main process (resume.py)."""
         if isinstance(message, Restore):
             self.iteration_end = False
+            self.epoch_snapshot = None
             try:
                 self.done = _resume.restore_snapshot(self.dataset, message.snapshot)
                 self._new_fetcher()
@@ -292,6 +297,10 @@ class _Loop:
                 self.init_error = _wrap_exception(
                     self.wid, -1, None,
                     context="resuming: in the dataset's load_state_dict or __iter__")
+                # an iterable replica that could not be put back has nothing more to
+                # give: after its error it ends (else a loop that catches errors
+                # would get one per task for ever)
+                self.end_after_error = self.spec.dataset_kind == _DatasetKind.Iterable
         elif isinstance(message, Replay):
             # re-run a task the interrupted run delivered, for its side effects on
             # RNGs and iterator position; the batch is dropped
@@ -313,11 +322,14 @@ class _Loop:
             return
         every = spec.snapshot_every
         snapshot = None
-        if self.done == 0 or (every > 0 and self.done % every == 0):
+        if self.done == 0 and self.epoch_snapshot is not None:
+            snapshot, self.epoch_snapshot = self.epoch_snapshot, None
+        elif self.done == 0 or (every > 0 and self.done % every == 0):
             snapshot = _resume.take_snapshot(self.dataset, self.done)
         self.done += 1
         if self.init_error is not None:
             data, rkind, self.init_error = self.init_error, RES_ERROR, None
+            self.iteration_end, self.end_after_error = self.end_after_error, False
         elif self.fetcher is None:
             data, rkind = _no_fetcher(wid, seq, index), RES_ERROR
         else:

@@ -388,3 +388,96 @@ def test_a_dataset_load_state_dict_that_raises_is_the_resumed_epochs_error():
     with pytest.raises(RuntimeError, match="cannot restore") as info:
         list(second)
     assert "load_state_dict" in str(info.value) and "WorkerError" not in type(info.value).__name__
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_resumed_run_saved_again_resumes_the_same_epoch(workers):
+    """A resumed run's state must hold the epoch's starting sampler RNG: it held the
+    RNG after the fast-forward's draws, so the resume of a resume shuffled anew."""
+    ds = rd.RandomAugmented(48)
+    kw = dict(batch_size=4, shuffle=True, num_workers=workers)
+    (full,) = epochs(make(ds, **kw), 1)
+    first = make(ds, **kw)
+    it = iter(first)
+    head = [clone_batch(next(it)) for _ in range(2)]
+    s1 = first.state_dict()
+    del it, first
+    second = make(ds, seed=99, **kw)
+    second.load_state_dict(s1)
+    it = iter(second)
+    mid = [clone_batch(next(it)) for _ in range(2)]
+    s2 = second.state_dict()
+    del it, second
+    third = make(ds, seed=5, **kw)
+    third.load_state_dict(s2)
+    order = [b["i"].tolist() for b in head + mid + [clone_batch(b) for b in third]]
+    assert order == [b["i"].tolist() for b in full]
+
+
+@pytest.mark.parametrize("then", [0, 2])
+def test_a_single_process_run_still_skipping_ahead_batches_saves_them(then):
+    """From an in_order=False state, a num_workers=0 loader skips the batches that
+    were delivered ahead; saved again before it passed them, its state must list
+    them (it gave only a count: one batch came twice, another never)."""
+    kw = dict(batch_size=4, in_order=False)
+    first = make(rd.SlowAt(40, slow=(4,)), **kw)
+    it = iter(first)
+    head = [clone_batch(next(it)) for _ in range(3)]
+    s1 = first.state_dict()
+    del it, first
+    assert s1["delivered_ahead"], "the slow batch did not fall behind"
+    second = make(rd.SlowAt(40, slow=()), num_workers=0, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fastloader.FastLoaderWarning)
+        second.load_state_dict(s1)
+    it = iter(second)
+    mid = [clone_batch(next(it))]
+    s2 = second.state_dict()
+    del it, second
+    third = make(rd.SlowAt(40, slow=()), num_workers=then, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fastloader.FastLoaderWarning)
+        third.load_state_dict(s2)
+    firsts = [b["i"][0].item() for b in head + mid + [clone_batch(b) for b in third]]
+    assert sorted(firsts) == list(range(0, 40, 4))
+
+
+def test_a_failed_resume_of_an_iterable_replica_ends_it_after_its_error():
+    """A loop that catches the error goes on to the end of the epoch: the replica
+    that could not be put back ends (it answered every later task with an error,
+    for ever, as the iterable's sampler never runs out)."""
+    kw = dict(batch_size=3, snapshot_every_n_steps=2)
+    first = make(rd.FailingRestoreStream(45), **kw)
+    it = iter(first)
+    for _ in range(4):
+        next(it)
+    state = first.state_dict()
+    del it, first
+    second = make(rd.FailingRestoreStream(45), **kw)
+    second.load_state_dict(state)
+    it, errors, batches = iter(second), 0, 0
+    while errors + batches < 100:
+        try:
+            next(it)
+            batches += 1
+        except StopIteration:
+            break
+        except RuntimeError as exc:
+            assert "cannot restore" in str(exc)
+            errors += 1
+    assert errors == 2 and errors + batches < 100   # one per worker, then the end
+
+
+def test_a_persistent_loaders_state_between_epochs_keeps_its_order_without_workers():
+    """The saving loader's persistent workers drew no seed for the next epoch;
+    a num_workers=0 loader resuming its state draws the same order."""
+    ds = rd.RandomAugmented(24)
+    kw = dict(batch_size=4, shuffle=True)
+    loader = make(ds, persistent_workers=True, **kw)
+    epochs(loader, 1)
+    state = loader.state_dict()
+    (e2,) = epochs(loader, 1)
+    other = make(ds, seed=5, num_workers=0, **kw)
+    other.load_state_dict(state)
+    (again,) = epochs(other, 1)
+    assert [b["i"].tolist() for b in again] == [b["i"].tolist() for b in e2]
