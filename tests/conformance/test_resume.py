@@ -346,36 +346,43 @@ def test_an_iterable_in_order_false_state_resumes_each_sample_once(stateful, eve
     assert sorted(xs) == list(range(48))
 
 
+def _twice_resumed_in_order_false(slow, second_workers, third_workers):
+    """in_order=False: stop with a slow batch behind (so the state lists batches
+    delivered ahead), resume with `second_workers`, take one batch and save again
+    before passing those, resume that with `third_workers`: the first sample of
+    every batch of the epoch, as delivered across the three runs."""
+    kw = dict(batch_size=4, in_order=False)
+    first = make(rd.SlowAt(40, slow=(slow,)), **kw)
+    it = iter(first)
+    head = [clone_batch(next(it)) for _ in range(slow // 4 + 1)]
+    s1 = first.state_dict()
+    del it, first
+    assert s1["delivered_ahead"], "the slow batch did not fall behind"
+    batches = list(head)
+    state = s1
+    for workers, take in ((second_workers, 1), (third_workers, None)):
+        loader = make(rd.SlowAt(40, slow=()), seed=999, num_workers=workers, **kw)
+        with warnings.catch_warnings():   # another number of workers, see above
+            warnings.simplefilter("ignore", fastloader.FastLoaderWarning)
+            loader.load_state_dict(state)
+        it = iter(loader)
+        batches += [clone_batch(b) for b in (it if take is None else
+                                             (next(it) for _ in range(take)))]
+        state = loader.state_dict() if take is not None else None
+        del it, loader
+    return [b["i"][0].item() for b in batches]
+
+
 @pytest.mark.parametrize("workers", [2, 3])
 def test_a_resumed_in_order_false_run_saves_its_batches_delivered_ahead(workers):
     """Saved again before the batches delivered ahead were passed, a resumed run's
     state must still hold them (it lost them, and the next resume repeated them)."""
-    kw = dict(batch_size=4, in_order=False)
-    first = make(rd.SlowAt(40, slow=(8,)), **kw)
-    it = iter(first)
-    head = [clone_batch(next(it)) for _ in range(4)]
-    s1 = first.state_dict()
-    del it, first
-    assert s1["delivered_ahead"], "the slow batch did not fall behind"
-    second = make(rd.SlowAt(40, slow=()), seed=999, num_workers=workers, **kw)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", fastloader.FastLoaderWarning)   # 2 -> 3 workers
-        second.load_state_dict(s1)
-    it = iter(second)
-    mid = [clone_batch(next(it))]
-    s2 = second.state_dict()
-    del it, second
-    third = make(rd.SlowAt(40, slow=()), seed=5, **kw)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", fastloader.FastLoaderWarning)
-        third.load_state_dict(s2)
-    firsts = [b["i"][0].item() for b in head + mid + [clone_batch(b) for b in third]]
-    assert sorted(firsts) == list(range(0, 40, 4))
+    assert sorted(_twice_resumed_in_order_false(8, workers, 2)) == list(range(0, 40, 4))
 
 
-def test_a_dataset_load_state_dict_that_raises_is_the_resumed_epochs_error():
-    """The dataset's own error, with its traceback, in the resumed epoch's turn; the
-    worker lived on (it died, and the error was "exited unexpectedly")."""
+def _resumed_with_a_failing_restore():
+    """A fresh loader given a mid-epoch state of a dataset whose load_state_dict()
+    raises."""
     kw = dict(batch_size=3, snapshot_every_n_steps=2)
     first = make(rd.FailingRestoreStream(45), **kw)
     it = iter(first)
@@ -385,9 +392,26 @@ def test_a_dataset_load_state_dict_that_raises_is_the_resumed_epochs_error():
     del it, first
     second = make(rd.FailingRestoreStream(45), **kw)
     second.load_state_dict(state)
+    return second
+
+
+def test_a_dataset_load_state_dict_that_raises_is_the_resumed_epochs_error():
+    """The dataset's own error, with its traceback, in the resumed epoch's turn; the
+    worker lived on (it died, and the error was "exited unexpectedly")."""
+    second = _resumed_with_a_failing_restore()
     with pytest.raises(RuntimeError, match="cannot restore") as info:
         list(second)
     assert "load_state_dict" in str(info.value) and "WorkerError" not in type(info.value).__name__
+
+
+def _stop_after(loader, n):
+    """n batches of a new epoch of `loader`, then its state_dict() (its iterator
+    dropped, as a job that stops)."""
+    it = iter(loader)
+    batches = [clone_batch(next(it)) for _ in range(n)]
+    state = loader.state_dict()
+    del it
+    return batches, state
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -397,17 +421,10 @@ def test_a_resumed_run_saved_again_resumes_the_same_epoch(workers):
     ds = rd.RandomAugmented(48)
     kw = dict(batch_size=4, shuffle=True, num_workers=workers)
     (full,) = epochs(make(ds, **kw), 1)
-    first = make(ds, **kw)
-    it = iter(first)
-    head = [clone_batch(next(it)) for _ in range(2)]
-    s1 = first.state_dict()
-    del it, first
+    head, s1 = _stop_after(make(ds, **kw), 2)
     second = make(ds, seed=99, **kw)
     second.load_state_dict(s1)
-    it = iter(second)
-    mid = [clone_batch(next(it)) for _ in range(2)]
-    s2 = second.state_dict()
-    del it, second
+    mid, s2 = _stop_after(second, 2)
     third = make(ds, seed=5, **kw)
     third.load_state_dict(s2)
     order = [b["i"].tolist() for b in head + mid + [clone_batch(b) for b in third]]
@@ -419,42 +436,14 @@ def test_a_single_process_run_still_skipping_ahead_batches_saves_them(then):
     """From an in_order=False state, a num_workers=0 loader skips the batches that
     were delivered ahead; saved again before it passed them, its state must list
     them (it gave only a count: one batch came twice, another never)."""
-    kw = dict(batch_size=4, in_order=False)
-    first = make(rd.SlowAt(40, slow=(4,)), **kw)
-    it = iter(first)
-    head = [clone_batch(next(it)) for _ in range(3)]
-    s1 = first.state_dict()
-    del it, first
-    assert s1["delivered_ahead"], "the slow batch did not fall behind"
-    second = make(rd.SlowAt(40, slow=()), num_workers=0, **kw)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", fastloader.FastLoaderWarning)
-        second.load_state_dict(s1)
-    it = iter(second)
-    mid = [clone_batch(next(it))]
-    s2 = second.state_dict()
-    del it, second
-    third = make(rd.SlowAt(40, slow=()), num_workers=then, **kw)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", fastloader.FastLoaderWarning)
-        third.load_state_dict(s2)
-    firsts = [b["i"][0].item() for b in head + mid + [clone_batch(b) for b in third]]
-    assert sorted(firsts) == list(range(0, 40, 4))
+    assert sorted(_twice_resumed_in_order_false(4, 0, then)) == list(range(0, 40, 4))
 
 
 def test_a_failed_resume_of_an_iterable_replica_ends_it_after_its_error():
     """A loop that catches the error goes on to the end of the epoch: the replica
     that could not be put back ends (it answered every later task with an error,
     for ever, as the iterable's sampler never runs out)."""
-    kw = dict(batch_size=3, snapshot_every_n_steps=2)
-    first = make(rd.FailingRestoreStream(45), **kw)
-    it = iter(first)
-    for _ in range(4):
-        next(it)
-    state = first.state_dict()
-    del it, first
-    second = make(rd.FailingRestoreStream(45), **kw)
-    second.load_state_dict(state)
+    second = _resumed_with_a_failing_restore()
     it, errors, batches = iter(second), 0, 0
     while errors + batches < 100:
         try:
