@@ -33,7 +33,8 @@ from fastloader.metadata_warning import (
 from fastloader.packed import PackedArray, PackedFormatError, PackedStringArray
 from fastloader.packed_dataset import PackedImageFolder
 from tests.support import packed_datasets as pds
-from tests.support.helpers import collect, deadline, num_fds, settle, wait_until
+from tests.support.helpers import (collect, deadline, num_fds, release_free_heap_pages, settle,
+                                   wait_until)
 
 pytestmark = [pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")]
 
@@ -764,6 +765,7 @@ def uss(pid):
 def epoch_memory(dataset, method, expected_sum):
     """USS of each worker after a warm-up and at the end of one full shuffled epoch
     (persistent workers stay alive to be measured)."""
+    release_free_heap_pages()
     loader = DataLoader(dataset, batch_size=1024, shuffle=True, num_workers=2,
                         multiprocessing_context=method, persistent_workers=True)
     with deadline(120, f"{method} epoch"):

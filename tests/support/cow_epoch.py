@@ -4,7 +4,9 @@ metadata over a full epoch: `python -m tests.support.cow_epoch N_ROWS` prints JS
 It runs apart from the test session on purpose: anything the main process writes
 to the heap it shares with a worker (a full garbage collection walking a large
 heap, objects freed by earlier tests) becomes that worker's private copy too, so
-inside a long session the figure also measured the session (15 MiB more in CI)."""
+inside a long session the figure also measured the session (15 MiB more in CI).
+The same holds for this process's own writes during the epoch: see
+helpers.release_free_heap_pages, called before each fork."""
 import gc
 import json
 import sys
@@ -18,6 +20,7 @@ import fastloader
 from fastloader import DataLoader
 from fastloader.metadata_warning import HeavyMetadataWarning, find_heavy_metadata
 from tests.support import dropin_datasets as dd
+from tests.support.helpers import release_free_heap_pages
 
 
 def _uss(pid):
@@ -28,6 +31,7 @@ def epoch_growth(dataset):
     """USS growth of one forked worker from its first batch to the end of a full
     shuffled epoch (a persistent worker stays alive to be measured), and the sum
     of what the epoch read."""
+    release_free_heap_pages()
     loader = DataLoader(dataset, batch_size=4096, shuffle=True, num_workers=1,
                         multiprocessing_context="fork", persistent_workers=True,
                         collate_fn=dd.sum_collate)
