@@ -251,7 +251,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         """Skip the batches the interrupted run already yielded, and bring every
         worker's RNG (and iterable position) to where it was."""
         _resume.restore_rng(self._loader_generator, state["sampler_rng"])
-        target = state["next_seq"]
+        target = _resume.next_seq(state)
         draw = (lambda: as_list(self._next_index())) if self._sends_ranges else self._next_index
         index_of = _resume.indices_to_replay(state, draw,
                                              self._dataset_kind == _DatasetKind.Iterable)

@@ -142,7 +142,7 @@ def indices_to_replay(state: dict, next_index, iterable: bool = False) -> dict:
     it too. (Its sampler yields the same thing forever, so drawing past the next
     batch changes nothing that is drawn later; a map-style sampler's would.)"""
     needed = {seq for w in state["workers"] for seq in SeqRuns(w["replay"])}
-    last = state["next_seq"]
+    last = next_seq(state)
     if iterable and needed:
         last = max(last, max(needed) + 1)
     index_of = {}
@@ -230,6 +230,13 @@ def validate(loader, state) -> bool:
     return other_workers
 
 
+def next_seq(state: dict) -> int:
+    """The sequence number of the first batch `state`'s epoch has not yielded: its
+    count of batches yielded, unless a loader with in_order=False had yielded some
+    past it (states saved before next_seq existed have only the count)."""
+    return state.get("next_seq", state["yielded"])
+
+
 def for_other_worker_count(state: dict, num_workers: int) -> dict:
     """`state` for a loader with another num_workers, over a map-style dataset: its
     index batches do not depend on the workers, so the batches already yielded are
@@ -237,7 +244,7 @@ def for_other_worker_count(state: dict, num_workers: int) -> dict:
     and are dropped, so the new workers' random streams start as a fresh epoch's.
     (An IterableDataset's replicas are split by worker: validate() refuses it
     mid-epoch.)"""
-    return dict(state, workers=[], next_seq=state.get("next_seq", state["yielded"]),
+    return dict(state, workers=[], next_seq=next_seq(state),
                 next_worker=state.get("next_worker", 0) % max(1, num_workers),
                 delivered_ahead=state.get("delivered_ahead", []))
 

@@ -42,14 +42,14 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
             # skip without fetching: the batches before the next one due, and
             # (from a loader with in_order=False and workers) those it had
             # already yielded past it
-            for _ in range(state.get("next_seq", state["yielded"])):
+            for _ in range(_resume.next_seq(state)):
                 try:
                     self._next_index()
                 except StopIteration:
                     break
             ahead = set(state.get("delivered_ahead", ()))
             if ahead:
-                self._skip = (state.get("next_seq", state["yielded"]), ahead)
+                self._skip = (_resume.next_seq(state), ahead)
                 self._next_index = self._next_index_skipping
             self._num_yielded = state["yielded"]
         else:
