@@ -11,7 +11,8 @@ The batches of an epoch are fixed by three things, and the state holds each:
     of its tasks, plus the tasks it ran since: a resumed worker restores the
     snapshot and re-runs those tasks without sending them (replay), which puts
     its RNG exactly where the uninterrupted run had it.
-Workers snapshot before their first task of each epoch, and every
+Workers snapshot before their first task of each epoch (a stateful iterable's
+worker also right after it, see `with_state_after_first_task`), and every
 ``snapshot_every_n_steps`` tasks when that is > 0 (less replay on resume, a few
 tens of microseconds per snapshot).
 """
@@ -78,13 +79,19 @@ class EpochTracker:
         self.ahead = set()   # in_order=False: delivered seqs past the next one due
 
     def delivered(self, worker: int, seq: int, snap) -> None:
-        """Batch `seq` came from `worker`, with the snapshot taken before it (or None)."""
+        """Batch `seq` came from `worker`, with the snapshot taken before it (or None),
+        which may hold the one taken after it (see `with_state_after_first_task`)."""
         if snap is not None:
+            after = snap.pop("after", None)
             entry = (seq, snap)
-            self.snap[worker] = entry
-            self.since_snap[worker] = SeqRuns([(seq, 0, 1)])
             if self.epoch_snap[worker] is None:
                 self.epoch_snap[worker] = entry
+            if after is not None:   # nothing to replay from it: seq is done there
+                self.snap[worker] = (seq, after)
+                self.since_snap[worker] = SeqRuns()
+            else:
+                self.snap[worker] = entry
+                self.since_snap[worker] = SeqRuns([(seq, 0, 1)])
         else:
             self.since_snap[worker].append(seq)
         self.epoch_tasks[worker].append(seq)
@@ -319,6 +326,23 @@ def take_snapshot(dataset, tasks_done: int) -> dict:
         except Exception as exc:
             snap["dataset_error"] = f"{type(exc).__name__}: {exc}"
     return snap
+
+
+def with_state_after_first_task(dataset, snapshot: dict, tasks_done: int) -> dict:
+    """The snapshot taken before a worker's first task of an epoch, with (for a
+    stateful IterableDataset) one taken after it under "after".
+
+    Many such datasets put their position back to the start only once their
+    ``__iter__``'s body runs, i.e. at the first batch: before it, at a persistent
+    worker's later epoch, ``state_dict()`` still says where the last epoch ended,
+    and resuming from that lost the whole epoch. Later snapshots fall between two
+    batches, with the iterator running, so they are right; this one makes the
+    epoch resumable from each worker's first batch on (as torchdata's
+    StatefulDataLoader, which snapshots after each batch, resumes it; before a
+    worker's first batch neither loader has a better state to go by)."""
+    if not _stateful(dataset):
+        return snapshot
+    return dict(snapshot, after=take_snapshot(dataset, tasks_done))
 
 
 def has_position(snap, dataset) -> bool:

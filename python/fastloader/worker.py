@@ -345,6 +345,8 @@ class _Loop:
             except Exception:
                 data, rkind = _wrap_exception(wid, seq, index), RES_ERROR
         if snapshot is not None and rkind == RES_BATCH:
+            if self.done == 1:
+                snapshot = _resume.with_state_after_first_task(self.dataset, snapshot, 1)
             data, rkind = (data, snapshot), RES_BATCH_SNAP
         try:
             chan.publish(rkind, seq, data)

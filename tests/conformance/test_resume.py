@@ -63,6 +63,21 @@ def test_persistent_workers_resume_in_second_epoch(k, every):
     assert_same_batch_lists(full[1][k:], tail, f"epoch 2 resumed after {k}")
 
 
+@pytest.mark.parametrize("every", [0, 2])
+@pytest.mark.parametrize("k", [2, 3, 6])
+def test_a_stream_that_resets_in_its_iterator_resumes_a_later_persistent_epoch(k, every):
+    """Its state_dict() at a persistent epoch's start, before the first batch, still
+    says where the last epoch ended: resuming from it lost the epoch (0 of 24
+    samples). Once each worker has delivered a batch, the state taken after it is
+    the one to resume from (torchdata's StatefulDataLoader resumes there too)."""
+    kw = dict(batch_size=3, persistent_workers=True, snapshot_every_n_steps=every)
+    full = epochs(make(rd.LazyResetStream(24), **kw), 2)
+    assert sorted(x for b in full[1] for x in b["x"].tolist()) == list(range(24))
+    head, tail = interrupted(rd.LazyResetStream(24), k, epoch=1, **kw)
+    assert_same_batch_lists(full[1][:k], head, "epoch 2 before the stop")
+    assert_same_batch_lists(full[1][k:], tail, f"epoch 2 resumed after {k}")
+
+
 @pytest.mark.parametrize("stateful", [True, False])
 @pytest.mark.parametrize("k", [2, 7])
 def test_iterable_dataset_resume(stateful, k):

@@ -150,3 +150,28 @@ class FailingRestoreStream(CountingStream):
 
     def _load_state_dict(self, state):
         raise RuntimeError(f"cannot restore {state}")
+
+
+class LazyResetStream(IterableDataset):
+    """Stateful, and goes back to its start only when its iterator's body runs (at
+    the first batch), unless a loaded position says otherwise: until then, at a
+    persistent worker's later epoch, state_dict() tells where the last one ended."""
+
+    def __init__(self, n=24):
+        self.n = n
+        self._pos, self._loaded = 0, None
+
+    def __iter__(self):
+        info = get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info else (0, 1)
+        mine = list(range(wid, self.n, nw))
+        start, self._loaded = self._loaded or 0, None
+        for k in range(start, len(mine)):
+            self._pos = k + 1
+            yield {"x": mine[k], "noise": torch.rand(1)}
+
+    def state_dict(self):
+        return {"pos": self._pos}
+
+    def load_state_dict(self, state):
+        self._loaded = state["pos"]
