@@ -215,7 +215,12 @@ class _Loop:
         self.fetcher = None
         self.iteration_end = False
         self.done = 0
-        self.epoch_snapshot = None     # taken at a persistent epoch's start, for its first task
+        # the snapshot of this very point, when one was taken or restored since the
+        # last task (a persistent epoch's start, a Restore): a snapshot falling due
+        # now is that one. Asking the dataset again would be wrong for one that
+        # resets its position only once its __iter__'s body runs (see
+        # resume.with_state_after_first_task), and would ask it twice.
+        self.ready_snapshot = None
 
     def start(self, seed):
         spec = self.spec
@@ -278,17 +283,18 @@ class _Loop:
         # the RNGs carry on from the last epoch: the main process keeps this, for a
         # state_dict() taken before this worker's first batch of the epoch arrives;
         # the first task's snapshot is the same one (the dataset is asked once)
-        self.epoch_snapshot = _resume.take_snapshot(self.dataset, 0)
-        self.chan.publish(RES_RESUMED, seq, self.epoch_snapshot)
+        self.ready_snapshot = _resume.take_snapshot(self.dataset, 0)
+        self.chan.publish(RES_RESUMED, seq, self.ready_snapshot)
 
     def on_control(self, message):
         """Resume messages from the main process (resume.py)."""
         if isinstance(message, Restore):
             self.iteration_end = False
-            self.epoch_snapshot = None
+            self.ready_snapshot = None
             try:
                 self.done = _resume.restore_snapshot(self.dataset, message.snapshot)
                 self._new_fetcher()
+                self.ready_snapshot = message.snapshot
             except Exception:
                 # as a failing __iter__ at an epoch's start: the worker lives on,
                 # and its first batch of the resumed epoch raises this, traceback
@@ -305,6 +311,7 @@ class _Loop:
             # re-run a task the interrupted run delivered, for its side effects on
             # RNGs and iterator position; the batch is dropped
             self.done += 1
+            self.ready_snapshot = None
             try:
                 self.fetcher.fetch(message.index)
             except Exception:
@@ -322,10 +329,10 @@ class _Loop:
             return
         every = spec.snapshot_every
         snapshot = None
-        if self.done == 0 and self.epoch_snapshot is not None:
-            snapshot, self.epoch_snapshot = self.epoch_snapshot, None
-        elif self.done == 0 or (every > 0 and self.done % every == 0):
-            snapshot = _resume.take_snapshot(self.dataset, self.done)
+        ready, self.ready_snapshot = self.ready_snapshot, None
+        if self.done == 0 or (every > 0 and self.done % every == 0):
+            snapshot = ready if ready is not None else _resume.take_snapshot(self.dataset,
+                                                                             self.done)
         self.done += 1
         if self.init_error is not None:
             data, rkind, self.init_error = self.init_error, RES_ERROR, None

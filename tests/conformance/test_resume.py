@@ -78,6 +78,27 @@ def test_a_stream_that_resets_in_its_iterator_resumes_a_later_persistent_epoch(k
     assert_same_batch_lists(full[1][k:], tail, f"epoch 2 resumed after {k}")
 
 
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("every", [1, 2])
+def test_a_stream_that_resets_in_its_iterator_resumes_a_resumed_run(every, persistent):
+    """A resumed worker that restored a snapshot with nothing to replay asked such a
+    dataset for its state again before its next batch, when it still said 0: the
+    resume of that run repeated samples. The restored snapshot is that state."""
+    kw = dict(batch_size=3, snapshot_every_n_steps=every, persistent_workers=persistent)
+    full = epochs(make(rd.LazyResetStream(24), **kw), 2)
+    loader = make(rd.LazyResetStream(24), **kw)
+    for _ in loader:
+        pass
+    head, s1 = _stop_after(loader, 2)
+    second = make(rd.LazyResetStream(24), seed=99, **kw)
+    second.load_state_dict(s1)
+    mid, s2 = _stop_after(second, 2)
+    third = make(rd.LazyResetStream(24), seed=5, **kw)
+    third.load_state_dict(s2)
+    assert_same_batch_lists(full[1], head + mid + [clone_batch(b) for b in third],
+                            "epoch 2 across three runs")
+
+
 @pytest.mark.parametrize("stateful", [True, False])
 @pytest.mark.parametrize("k", [2, 7])
 def test_iterable_dataset_resume(stateful, k):
