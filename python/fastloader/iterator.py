@@ -211,6 +211,8 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         self._task_info = {}
         self._tasks_outstanding = 0
         self._workers_status = [True] * self._num_workers
+        # per worker, the batch number its end of stream (IterableDataset) came with
+        self._ended_at = [None] * self._num_workers
         self._workers_num_tasks = [0] * self._num_workers
         # per worker, in order, the tasks its ring had no room for yet (_offer keeps
         # them, _send_unsent sends them before the next wait)
@@ -284,8 +286,17 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             "next_worker": nxt,
             "yielded": self._num_yielded,
             "delivered_ahead": self._tracker.ahead_of(self._rcvd_idx),
-            "workers": self._tracker.worker_states(self._workers_status, self._dataset),
+            "workers": self._tracker.worker_states(self._active_at_next_seq(), self._dataset),
         }
+
+    def _active_at_next_seq(self):
+        """Which workers a resume gives tasks to. A worker whose end of stream
+        arrived with a batch number not yet reached may still have a batch before
+        it waiting to be yielded (its end came while another worker's batch was
+        awaited): at the point saved, it had not ended, and the resumed run must
+        fetch that batch from it again (it ends again after it)."""
+        return [active or (end is not None and end >= self._rcvd_idx)
+                for active, end in zip(self._workers_status, self._ended_at)]
 
     # -- receiving -------------------------------------------------------------------
     def _get_data(self, prefer=0, only_prefer=False):
@@ -356,6 +367,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
                 continue
             self._tasks_outstanding -= 1
             if kind == RES_ITER_END:
+                self._ended_at[wid] = seq
                 if self._persistent_workers:
                     self._workers_status[wid] = False
                 else:

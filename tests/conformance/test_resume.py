@@ -1,6 +1,7 @@
 """Mid-epoch resume: stop after k batches, save, restore into a fresh loader (as
 a restarted job would), and the rest of the epoch equals an uninterrupted run,
 batch by batch, including values drawn from worker RNGs."""
+import time
 import warnings
 
 import pytest
@@ -9,7 +10,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 import fastloader
 from tests.support import resume_datasets as rd
-from tests.support.helpers import assert_same_batch_lists, clone_batch
+from tests.support.helpers import assert_same_batch_lists, clone_batch, wait_until
 
 pytestmark = [pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")]
 
@@ -97,6 +98,35 @@ def test_a_stream_that_resets_in_its_iterator_resumes_a_resumed_run(every, persi
     third.load_state_dict(s2)
     assert_same_batch_lists(full[1], head + mid + [clone_batch(b) for b in third],
                             "epoch 2 across three runs")
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("stateful", [False, True])
+def test_a_worker_whose_stream_ended_with_a_batch_not_yet_yielded_resumes_it(
+        tmp_path, stateful, persistent):
+    """Worker 0's batch 6 and its end of stream arrive while batch 5 (worker 1's) is
+    awaited; a state saved after batch 5 marked worker 0 as ended, and the resumed
+    epoch never yielded its batch 6."""
+    gate, ended = tmp_path / "gate", tmp_path / "ended"
+    kw = dict(batch_size=2, persistent_workers=persistent)
+    gate.touch()
+    (full,) = epochs(make(rd.GatedStream(16, 9, gate, ended, stateful), **kw), 1)
+    assert [b["x"].tolist() for b in full][5:] == [[9, 11], [12, 14], [13, 15]]
+    gate.unlink()
+    ended.unlink()
+    first = make(rd.GatedStream(16, 9, gate, ended, stateful), **kw)
+    it = iter(first)
+    head = [clone_batch(next(it)) for _ in range(5)]
+    wait_until(ended.exists, 60)   # worker 0 is done: batch 6 and its end are sent
+    time.sleep(0.2)
+    gate.touch()
+    head.append(clone_batch(next(it)))   # batch 5, worker 1's
+    assert not it._workers_status[0], "worker 0's end of stream had not arrived"
+    state = first.state_dict()
+    del it, first
+    second = make(rd.GatedStream(16, 9, gate, ended, stateful), seed=999, **kw)
+    second.load_state_dict(state)
+    assert_same_batch_lists(full, head + [clone_batch(b) for b in second], "the epoch")
 
 
 @pytest.mark.parametrize("stateful", [True, False])

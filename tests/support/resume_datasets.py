@@ -175,3 +175,26 @@ class LazyResetStream(IterableDataset):
 
     def load_state_dict(self, state):
         self._loaded = state["pos"]
+
+
+class GatedStream(CountingStream):
+    """CountingStream whose item `gate_item` waits for the file `gate` to exist, and
+    whose worker 0 creates the file `ended` once its share is done (its end of
+    stream follows at once): a test decides what the main process has received
+    when the gated batch arrives."""
+
+    def __init__(self, n, gate_item, gate, ended, stateful=False):
+        super().__init__(n, stateful)
+        self.gate_item, self.gate, self.ended = gate_item, str(gate), str(ended)
+
+    def __iter__(self):
+        import os
+        import time
+        for item in super().__iter__():
+            if item["x"] == self.gate_item:
+                while not os.path.exists(self.gate):
+                    time.sleep(0.01)
+            yield item
+        info = get_worker_info()
+        if info is not None and info.id == 0:
+            open(self.ended, "w").close()
