@@ -316,16 +316,23 @@ def take_snapshot(dataset, tasks_done: int) -> dict:
     (see `has_position`)."""
     snap = {"k": tasks_done, "random": random.getstate(), "torch": torch.get_rng_state(),
             "numpy": _numpy_state()}
-    if _stateful(dataset):
-        try:
-            state = dataset.state_dict()
-            # it travels with the batch: one that cannot be sent (a lock, an open
-            # file) must not take the batch down with it
-            _core.encode(state)
-            snap["dataset"] = state
-        except Exception as exc:
-            snap["dataset_error"] = f"{type(exc).__name__}: {exc}"
+    snap.update(dataset_position(dataset))
     return snap
+
+
+def dataset_position(dataset) -> dict:
+    """{"dataset": its state_dict()} for a stateful IterableDataset,
+    {"dataset_error": why} where that failed or cannot be sent, {} otherwise."""
+    if not _stateful(dataset):
+        return {}
+    try:
+        state = dataset.state_dict()
+        # it travels with a batch: one that cannot be sent (a lock, an open file)
+        # must not take the batch down with it
+        _core.encode(state)
+        return {"dataset": state}
+    except Exception as exc:
+        return {"dataset_error": f"{type(exc).__name__}: {exc}"}
 
 
 def with_state_after_first_task(dataset, snapshot: dict, tasks_done: int) -> dict:

@@ -100,6 +100,34 @@ def test_a_stream_that_resets_in_its_iterator_resumes_a_resumed_run(every, persi
                             "epoch 2 across three runs")
 
 
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("kind, epoch", [("stateful", 0), ("plain", 0), ("lazy_reset", 0),
+                                         ("lazy_reset", 1)])
+def test_a_single_process_iterable_resumes_where_it_stopped(kind, epoch, k):
+    """num_workers=0 skipped the yielded batches' indices, which for an iterable
+    moves nothing: the resumed epoch started its stream over (0,1 | 0,1,...,7).
+    Its position is saved (a stateful dataset) or its batches replayed. (Values
+    drawn in the main process come from the user's RNGs: only `x` is compared.
+    CountingStream, read in this process, ends its second epoch at once: torch's
+    loader too.)"""
+    def dataset():
+        if kind == "lazy_reset":
+            return rd.LazyResetStream(16)
+        return rd.CountingStream(16, stateful=kind == "stateful")
+    kw = dict(batch_size=2, num_workers=0)
+    full = epochs(make(dataset(), **kw), epoch + 1)[epoch]
+    first = make(dataset(), **kw)
+    for _ in range(epoch):
+        for _ in first:
+            pass
+    head, state = _stop_after(first, k)
+    assert ("dataset" in state) == (kind != "plain")
+    second = make(dataset(), seed=999, **kw)
+    second.load_state_dict(state)
+    got = head + [clone_batch(b) for b in second]
+    assert [b["x"].tolist() for b in got] == [b["x"].tolist() for b in full]
+
+
 @pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.parametrize("stateful", [False, True])
 def test_a_worker_whose_stream_ended_with_a_batch_not_yet_yielded_resumes_it(
