@@ -18,6 +18,7 @@ tens of microseconds per snapshot).
 """
 from __future__ import annotations
 
+import copy
 import inspect
 import random
 
@@ -326,7 +327,9 @@ def dataset_position(dataset) -> dict:
     if not _stateful(dataset):
         return {}
     try:
-        state = dataset.state_dict()
+        # a copy: a state_dict() may return its live state, which would be read
+        # only once the batch is sent, after the fetch moved it on
+        state = copy.deepcopy(dataset.state_dict())
         # it travels with a batch: one that cannot be sent (a lock, an open file)
         # must not take the batch down with it
         _core.encode(state)

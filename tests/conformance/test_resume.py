@@ -79,6 +79,27 @@ def test_a_stream_that_resets_in_its_iterator_resumes_a_later_persistent_epoch(k
     assert_same_batch_lists(full[1][k:], tail, f"epoch 2 resumed after {k}")
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("every", [1, 2])
+def test_a_dataset_state_dict_returning_its_live_state_resumes(every, workers):
+    """The snapshot held the dataset's own dict, which the worker read only when it
+    sent the batch, after the fetch had moved it on: a resume skipped samples. The
+    loader's state, kept while the loop goes on, must not move with it either."""
+    kw = dict(batch_size=3, snapshot_every_n_steps=every, num_workers=workers)
+    (full,) = epochs(make(rd.LiveStateStream(24), **kw), 1)
+    for k in (2, 3, 5):
+        loader = make(rd.LiveStateStream(24), **kw)
+        it = iter(loader)
+        head = [clone_batch(next(it)) for _ in range(k)]
+        state = loader.state_dict()
+        next(it)   # the loop goes on after the checkpoint
+        del it, loader
+        second = make(rd.LiveStateStream(24), seed=99, **kw)
+        second.load_state_dict(state)
+        got = head + [clone_batch(b) for b in second]
+        assert [b["x"].tolist() for b in got] == [b["x"].tolist() for b in full], k
+
+
 @pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.parametrize("every", [1, 2])
 def test_a_stream_that_resets_in_its_iterator_resumes_a_resumed_run(every, persistent):

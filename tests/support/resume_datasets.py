@@ -198,3 +198,20 @@ class GatedStream(CountingStream):
         info = get_worker_info()
         if info is not None and info.id == 0:
             open(self.ended, "w").close()
+
+
+class LiveStateStream(LazyResetStream):
+    """LazyResetStream whose state_dict() returns its live state (a dict it goes
+    on updating), not a copy."""
+
+    def __init__(self, n=24):
+        super().__init__(n)
+        self._live = {"pos": 0}
+
+    def __iter__(self):
+        for item in super().__iter__():
+            self._live["pos"] = self._pos
+            yield item
+
+    def state_dict(self):
+        return self._live
