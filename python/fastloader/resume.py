@@ -18,7 +18,6 @@ tens of microseconds per snapshot).
 """
 from __future__ import annotations
 
-import copy
 import inspect
 import random
 
@@ -321,19 +320,25 @@ def take_snapshot(dataset, tasks_done: int) -> dict:
     return snap
 
 
+def copy_state(state):
+    """A copy of a dataset's state that no later change to it reaches, made by the
+    codec (which raises for what cannot travel with a batch)."""
+    return _core.decode(_core.encode(state))
+
+
 def dataset_position(dataset) -> dict:
     """{"dataset": its state_dict()} for a stateful IterableDataset,
     {"dataset_error": why} where that failed or cannot be sent, {} otherwise."""
     if not _stateful(dataset):
         return {}
     try:
-        # a copy: a state_dict() may return its live state, which would be read
-        # only once the batch is sent, after the fetch moved it on
-        state = copy.deepcopy(dataset.state_dict())
-        # it travels with a batch: one that cannot be sent (a lock, an open file)
-        # must not take the batch down with it
-        _core.encode(state)
-        return {"dataset": state}
+        # A copy, made by the codec: a state_dict() may return its live state,
+        # which would be read only once the batch is sent, after the fetch moved
+        # it on (or, kept by the user, move on with the loop). Encoding also
+        # checks that it can travel with a batch: one that cannot (a lock, an
+        # open file) must not take the batch down with it. (About a third of a
+        # deepcopy's time for a list of a million ints, and both in one pass.)
+        return {"dataset": copy_state(dataset.state_dict())}
     except Exception as exc:
         return {"dataset_error": f"{type(exc).__name__}: {exc}"}
 
@@ -362,13 +367,18 @@ def has_position(snap, dataset) -> bool:
     return not needs_epoch_start(dataset) and "dataset_error" not in snap
 
 
-def restore_snapshot(dataset, snap) -> int:
-    """Restore RNGs (and an iterable's position); returns the task count."""
+def restore_snapshot(dataset, snap, start_iteration) -> int:
+    """Put an iterable back where `snap` was taken (`start_iteration()` then calls
+    its __iter__), and then the RNGs; returns the task count. The RNGs come last:
+    every snapshot is taken with the dataset's iterator already made, so an
+    __iter__ that draws when it is called (a shard shuffle) has drawn before it,
+    and restoring the RNGs first made it draw once more."""
+    if "dataset" in snap and _stateful(dataset):
+        dataset.load_state_dict(snap["dataset"])
+    start_iteration()
     random.setstate(_as_random_state(snap["random"]))
     torch.set_rng_state(snap["torch"])
     _set_numpy_state(snap["numpy"])
-    if "dataset" in snap and _stateful(dataset):
-        dataset.load_state_dict(snap["dataset"])
     return snap["k"]
 
 

@@ -15,6 +15,13 @@ from .session import LoaderSession
 
 class SingleProcessIter(_SingleProcessDataLoaderIter):
     _epoch = 0
+    # batches drawn from the sampler this epoch, i.e. the number of the next one:
+    # a batch whose fetch raised (and the user caught) counts, as it does for the
+    # workers' iterator; torch's count of batches yielded does not
+    _draws = 0
+    # a stateful iterable's position loaded for a resume, until its first batch
+    # runs its __iter__'s body (until then the dataset may not tell it)
+    _loaded_position = None
 
     def __init__(self, loader, session=None):
         # the loader's state across epochs (session.py); a detached one otherwise
@@ -22,15 +29,15 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         self._resume_state = self._session.take_resume()
         self._loader_generator = loader.generator
         self._epoch_done = False
+        self._ahead = set()
         # before torch's fetcher calls iter(dataset): a stateful iterable goes back
         # where it was (an iterator built before would not see it)
         self._replay = self._put_iterable_back(loader.dataset, self._resume_state)
         super().__init__(loader)
         self._start_epoch()
 
-    @staticmethod
-    def _put_iterable_back(dataset, state) -> bool:
-        """Whether the batches yielded before `state` must be replayed (fetched and
+    def _put_iterable_back(self, dataset, state) -> bool:
+        """Whether the batches drawn before `state` must be replayed (fetched and
         dropped): an IterableDataset's stream moves on only by being read, so
         skipping its indices skips nothing. One whose position was saved
         (resume.dataset_position) is loaded instead."""
@@ -39,6 +46,7 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
             return False
         if "dataset" in state:
             dataset.load_state_dict(state["dataset"])
+            self._loaded_position = state["dataset"]
             return False
         return True
 
@@ -50,6 +58,7 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
     def _start_epoch(self):
         self._epoch += 1
         self._epoch_done = False
+        self._draws = 0
         state, self._resume_state = self._resume_state, None
         if state is not None and state.get("epoch_done") and state.get("persistent"):
             # the saving run's persistent workers drew no seed for this epoch, and
@@ -59,9 +68,9 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
             self._epoch = state["epoch"]
             _resume.restore_rng(self._loader_generator, state["sampler_rng"])
             self._sampler_rng = state["sampler_rng"]
-            # skip without fetching: the batches before the next one due, and
-            # (from a loader with in_order=False and workers) those it had
-            # already yielded past it
+            # skip the batches before the next one due without fetching them (an
+            # iterable's are replayed, see _put_iterable_back), and (from a loader
+            # with in_order=False and workers) those it had yielded past it
             replay, self._replay = self._replay, False
             for _ in range(_resume.next_seq(state)):
                 try:
@@ -72,34 +81,39 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
                     break
                 except Exception:   # it was the user's to catch in the saved run
                     pass
-            ahead = set(state.get("delivered_ahead", ()))
-            if ahead:
-                self._skip = (_resume.next_seq(state), ahead)
+            self._ahead = set(state.get("delivered_ahead", ()))
+            if self._ahead:
                 self._next_index = self._next_index_skipping
             self._num_yielded = state["yielded"]
         else:
             self._sampler_rng = _resume.capture_rng(self._loader_generator)
 
+    def _next_index(self):
+        index = super()._next_index()
+        self._draws += 1
+        return index
+
     def _next_index_skipping(self):
-        seq, ahead = self._skip
         while True:
-            index = super()._next_index()
-            self._skip = (seq + 1, ahead)
-            if seq not in ahead:
+            seq = self._draws
+            index = SingleProcessIter._next_index(self)
+            if seq not in self._ahead:
                 return index
-            ahead.discard(seq)
-            if not ahead:   # all skipped: back to torch's own method
+            self._ahead.discard(seq)
+            if not self._ahead:   # all skipped: back to the plain method
                 del self.__dict__["_next_index"]
-                return super()._next_index()
-            seq += 1
 
     def _next_data(self):
         try:
-            return super()._next_data()
+            data = super()._next_data()
         except StopIteration:
             self._epoch_done = True
             self._leave_state_with_loader()
             raise
+        finally:
+            if self._draws:   # its __iter__'s body has run: the dataset knows
+                self._loaded_position = None
+        return data
 
     def _leave_state_with_loader(self):
         self._session.ended(self.state_dict())
@@ -114,13 +128,15 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         state = {"version": _resume.VERSION, "epoch": self._epoch,
                  "epoch_done": self._epoch_done, "base_seed": self._base_seed,
                  "sampler_rng": self._sampler_rng, "yielded": self._num_yielded,
-                 "workers": []}
-        if "_next_index" in self.__dict__:   # still skipping batches delivered ahead
-            seq, ahead = self._skip
-            state.update(next_seq=seq, delivered_ahead=sorted(ahead))
+                 "next_seq": self._draws, "workers": []}
+        if self._ahead:   # still skipping batches delivered ahead
+            state["delivered_ahead"] = sorted(self._ahead)
         if (self._dataset_kind == _DatasetKind.Iterable and not self._epoch_done
-                and self._num_yielded):
-            # read once the epoch's first batch ran its __iter__'s body (before, a
-            # dataset may still tell where its last epoch ended)
-            state.update(_resume.dataset_position(self._dataset))
+                and self._draws):
+            if self._loaded_position is not None:   # resumed, and nothing read since
+                state["dataset"] = _resume.copy_state(self._loaded_position)
+            else:
+                # read once the epoch's first batch ran its __iter__'s body (before,
+                # a dataset may still tell where its last epoch ended)
+                state.update(_resume.dataset_position(self._dataset))
         return state

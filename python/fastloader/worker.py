@@ -292,8 +292,8 @@ class _Loop:
             self.iteration_end = False
             self.ready_snapshot = None
             try:
-                self.done = _resume.restore_snapshot(self.dataset, message.snapshot)
-                self._new_fetcher()
+                self.done = _resume.restore_snapshot(self.dataset, message.snapshot,
+                                                     self._new_fetcher)
                 self.ready_snapshot = message.snapshot
             except Exception:
                 # as a failing __iter__ at an epoch's start: the worker lives on,

@@ -149,6 +149,70 @@ def test_a_single_process_iterable_resumes_where_it_stopped(kind, epoch, k):
     assert [b["x"].tolist() for b in got] == [b["x"].tolist() for b in full]
 
 
+def _taking_errors(it, n=None):
+    """Up to n calls of next(it), an error caught as "E" (a loop that skips bad
+    batches)."""
+    out = []
+    while n is None or len(out) < n:
+        try:
+            out.append(next(it).tolist())
+        except StopIteration:
+            break
+        except ValueError:
+            out.append("E")
+    return out
+
+
+@pytest.mark.parametrize("k", [2, 3])
+@pytest.mark.parametrize("dataset", [rd.RaisingStream(12, bad=(3,)),
+                                     rd.RaisingItems(12, bad=(3,))],
+                         ids=["iterable", "map-style"])
+def test_a_single_process_run_that_caught_an_error_resumes_after_it(dataset, k):
+    """num_workers=0 counted only the batches yielded, not the one whose fetch
+    raised (torch's count): a resume after a caught error fetched a batch again."""
+    kw = dict(batch_size=2, num_workers=0)
+    full = _taking_errors(iter(torch.utils.data.DataLoader(dataset, batch_size=2)))
+    assert full[1] == "E"
+    first = make(dataset, **kw)
+    it = iter(first)
+    head = _taking_errors(it, k)
+    state = first.state_dict()
+    del it, first
+    second = make(dataset, seed=999, **kw)
+    second.load_state_dict(state)
+    assert head + _taking_errors(iter(second)) == full
+
+
+def test_a_single_process_state_saved_right_after_a_resume_keeps_its_position():
+    """Saved again before the resumed run's first batch: the dataset, whose loaded
+    position applies only once its __iter__'s body runs, still said 0 then, and
+    the third run started the stream over."""
+    kw = dict(batch_size=2, num_workers=0)
+    (full,) = epochs(make(rd.LazyResetStream(14), **kw), 1)
+    head, s1 = _stop_after(make(rd.LazyResetStream(14), **kw), 2)
+    second = make(rd.LazyResetStream(14), **kw)
+    second.load_state_dict(s1)
+    it = iter(second)
+    s2 = second.state_dict()
+    del it
+    third = make(rd.LazyResetStream(14), **kw)
+    third.load_state_dict(s2)
+    got = head + [clone_batch(b) for b in third]
+    assert [b["x"].tolist() for b in got] == [b["x"].tolist() for b in full]
+
+
+@pytest.mark.parametrize("k", [1, 2, 5])
+@pytest.mark.parametrize("stateful", [True, False])
+def test_an_iter_that_draws_when_called_resumes_the_workers_randomness(stateful, k):
+    """A resumed worker restored its RNGs, then called the dataset's __iter__,
+    which drew once more: every later value was shifted by one draw."""
+    kw = dict(batch_size=2)
+    (full,) = epochs(make(rd.EagerDrawStream(12, stateful), **kw), 1)
+    head, tail = interrupted(rd.EagerDrawStream(12, stateful), k, **kw)
+    assert_same_batch_lists(full[:k], head, "before the stop")
+    assert_same_batch_lists(full[k:], tail, f"resumed after {k}")
+
+
 @pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.parametrize("stateful", [False, True])
 def test_a_worker_whose_stream_ended_with_a_batch_not_yet_yielded_resumes_it(

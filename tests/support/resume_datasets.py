@@ -215,3 +215,81 @@ class LiveStateStream(LazyResetStream):
 
     def state_dict(self):
         return self._live
+
+
+class _RaisingIterator:
+    """Yields `items`, but raises ValueError for those in `bad` (each taken once):
+    an iterator that goes on after an error, as a class-based one can."""
+
+    def __init__(self, items, bad):
+        self.items, self.bad, self.k = items, bad, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.k >= len(self.items):
+            raise StopIteration
+        x = self.items[self.k]
+        self.k += 1
+        if x in self.bad:
+            raise ValueError(f"bad item {x}")
+        return x
+
+
+class RaisingStream(IterableDataset):
+    """Plain iterable whose items in `bad` raise (the user may catch it and go on)."""
+
+    def __init__(self, n, bad):
+        self.n, self.bad = n, frozenset(bad)
+
+    def __iter__(self):
+        return _RaisingIterator(list(range(self.n)), self.bad)
+
+
+class RaisingItems(Dataset):
+    """Map-style; the items in `bad` raise."""
+
+    def __init__(self, n, bad):
+        self.n, self.bad = n, frozenset(bad)
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i in self.bad:
+            raise ValueError(f"bad item {i}")
+        return i
+
+
+class EagerDrawStream(IterableDataset):
+    """Stateful or plain; its __iter__ (not a generator) draws from torch's RNG when
+    it is called, as one that shuffles its shard each epoch does."""
+
+    def __init__(self, n=12, stateful=True):
+        self.n = n
+        self.stateful = stateful
+        self._pos, self._loaded = 0, None
+
+    def __iter__(self):
+        info = get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info else (0, 1)
+        torch.rand(1)   # e.g. this epoch's shard order
+        self._pos, self._loaded = self._loaded or 0, None
+        return self._items(list(range(wid, self.n, nw)))
+
+    def _items(self, mine):
+        while self._pos < len(mine):
+            self._pos += 1
+            yield {"x": mine[self._pos - 1], "noise": torch.rand(1)}
+
+    def _state_dict(self):
+        return {"pos": self._pos}
+
+    def _load_state_dict(self, state):
+        self._loaded = state["pos"]
+
+    def __getattr__(self, name):
+        if name in ("state_dict", "load_state_dict") and self.__dict__.get("stateful"):
+            return getattr(self, "_" + name)
+        raise AttributeError(name)
