@@ -45,7 +45,9 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
                 or state.get("epoch_done") or not _resume.next_seq(state)):
             return False
         if "dataset" in state:
-            dataset.load_state_dict(state["dataset"])
+            # a copy: a dataset may keep what it is given and move it on, which
+            # must not change the user's state (workers get theirs through a pipe)
+            dataset.load_state_dict(_resume.copy_state(state["dataset"]))
             self._loaded_position = state["dataset"]
             return False
         return True

@@ -201,6 +201,20 @@ def test_a_single_process_state_saved_right_after_a_resume_keeps_its_position():
     assert [b["x"].tolist() for b in got] == [b["x"].tolist() for b in full]
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_state_loaded_twice_resumes_twice(workers):
+    """A dataset that keeps the dict load_state_dict() gives it, and moves it on:
+    without workers it was the user's own state, and a second resume from it
+    started at the end."""
+    kw = dict(batch_size=2, num_workers=workers)
+    head, state = _stop_after(make(rd.KeepsLoadedStream(12), **kw), 2)
+    for _ in range(2):
+        loader = make(rd.KeepsLoadedStream(12), **kw)
+        loader.load_state_dict(state)
+        got = head + [clone_batch(b) for b in loader]
+        assert sorted(x for b in got for x in b.tolist()) == sorted(list(range(12)) * max(1, workers))
+
+
 @pytest.mark.parametrize("k", [1, 2, 5])
 @pytest.mark.parametrize("stateful", [True, False])
 def test_an_iter_that_draws_when_called_resumes_the_workers_randomness(stateful, k):

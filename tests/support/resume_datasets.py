@@ -293,3 +293,25 @@ class EagerDrawStream(IterableDataset):
         if name in ("state_dict", "load_state_dict") and self.__dict__.get("stateful"):
             return getattr(self, "_" + name)
         raise AttributeError(name)
+
+
+class KeepsLoadedStream(IterableDataset):
+    """Stateful; load_state_dict() keeps the very dict it is given and moves it on."""
+
+    def __init__(self, n=12):
+        self.n = n
+        self._state, self._fresh = {"pos": 0}, True
+
+    def __iter__(self):
+        if self._fresh:
+            self._state = {"pos": 0}
+        self._fresh = True
+        while self._state["pos"] < self.n:
+            self._state["pos"] += 1
+            yield self._state["pos"] - 1
+
+    def state_dict(self):
+        return {"pos": self._state["pos"]}
+
+    def load_state_dict(self, state):
+        self._state, self._fresh = state, False
