@@ -13,6 +13,7 @@ import json
 import os
 import resource
 import sys
+import time
 
 CLONE_NEWNS = 0x00020000
 MS_REC = 0x4000
@@ -212,6 +213,18 @@ def scribbled_task_head(strategy):
     got = [float(next(it)[0][0]) for _ in range(3)]
     (ctl,) = control_blocks()
     task_cap, = struct.unpack_from("<Q", ctl, 16)
+    # Wait until the worker has taken every task sent so far and sleeps for more
+    # (task_tail == task_head, worker_waiting set: csrc/ring.h's fl_ctl), so all it
+    # had to publish is published. Scribbled earlier, on a busy box, the ring looked
+    # empty to a worker still owing batches: it waited for tasks and the main
+    # process for its batches, for ever (a worker that stops, which only a timeout
+    # catches, as in torch); or it made a segment after the fill (ENOSPC in CI).
+    deadline = time.monotonic() + 120
+    while (struct.unpack_from("<Q", ctl, 64) != struct.unpack_from("<Q", ctl, 128)
+           or struct.unpack_from("<I", ctl, 512) != (1,)):
+        if time.monotonic() > deadline:
+            raise AssertionError("the worker did not go idle within 120 s")
+        time.sleep(0.01)
     task_tail, = struct.unpack_from("<Q", ctl, 128)
     fill_shm()
     last = task_tail - task_tail % task_cap + 2 * task_cap - 32
