@@ -20,7 +20,17 @@ class RandomAugmented(Dataset):
         return {"i": i, "r": random.random(), "t": torch.rand(2), "np": np.random.rand()}
 
 
-class CountingStream(IterableDataset):
+class _StatefulWhenAsked:
+    """`state_dict`/`load_state_dict` exist only when `self.stateful` (a plain
+    iterable otherwise): they are the class's `_state_dict`/`_load_state_dict`."""
+
+    def __getattr__(self, name):
+        if name in ("state_dict", "load_state_dict") and self.__dict__.get("stateful"):
+            return getattr(self, "_" + name)
+        raise AttributeError(name)
+
+
+class CountingStream(_StatefulWhenAsked, IterableDataset):
     """Sharded by worker; with `stateful`, it can save and restore its position
     (torchdata's Stateful protocol), otherwise a resume must replay."""
 
@@ -38,17 +48,11 @@ class CountingStream(IterableDataset):
             self._pos = k + 1
             yield {"x": mine[k], "noise": torch.rand(1)}
 
-    # only consulted when `stateful` (see __getattr__ trick below)
     def _state_dict(self):
         return {"pos": self._pos}
 
     def _load_state_dict(self, state):
         self._pos = state["pos"]
-
-    def __getattr__(self, name):
-        if name in ("state_dict", "load_state_dict") and self.__dict__.get("stateful"):
-            return getattr(self, "_" + name)
-        raise AttributeError(name)
 
 
 class ArgumentStateStream(IterableDataset):
@@ -262,7 +266,7 @@ class RaisingItems(Dataset):
         return i
 
 
-class EagerDrawStream(IterableDataset):
+class EagerDrawStream(_StatefulWhenAsked, IterableDataset):
     """Stateful or plain; its __iter__ (not a generator) draws from torch's RNG when
     it is called, as one that shuffles its shard each epoch does."""
 
@@ -288,11 +292,6 @@ class EagerDrawStream(IterableDataset):
 
     def _load_state_dict(self, state):
         self._loaded = state["pos"]
-
-    def __getattr__(self, name):
-        if name in ("state_dict", "load_state_dict") and self.__dict__.get("stateful"):
-            return getattr(self, "_" + name)
-        raise AttributeError(name)
 
 
 class KeepsLoadedStream(IterableDataset):
