@@ -26,6 +26,7 @@ from . import stats as _stats
 from .distributed import rank_info
 from .index_batches import as_list, sequential_batches
 from .metadata_warning import warn_if_heavy_metadata
+from .pin_ahead import PinAhead
 from .pool import WorkerPool, WorkerSpec
 from .protocol import (
     RES_BATCH_SNAP, RES_DEAD, RES_ERROR, RES_ITER_END, RES_RESUMED, TASK_CONTROL, TASK_PICKLE,
@@ -223,6 +224,12 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         self._cycle_pos = 0
         self._ahead_to_skip = set()
         self._tracker = _resume.EpochTracker(self._num_workers)   # for state_dict()
+        # a new epoch's batch numbers start again at 0: none of the last epoch's
+        # pinned batches may answer them
+        if getattr(self, "_pin_ahead", None) is not None:
+            self._pin_ahead.close()
+        self._pin_ahead = (PinAhead(self._pin_memory_device)
+                           if self._pin_memory and self._in_order else None)
         if not first_iter:
             # an IterDataPipe gets the epoch's new shared seed with the resume
             seed = pickle.dumps(self._shared_seed)
@@ -306,10 +313,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         try:
             got = _core.recv(self._channels, prefer, self._recv_timeout, only_prefer)
         except KeyboardInterrupt:
-            # Ctrl-C: stop the workers now (briefly let idle ones exit by
-            # themselves, terminate busy ones) so the program can exit at once.
-            self._shutdown_workers(grace=_FAILURE_GRACE_S)
-            self._stopped_by = "KeyboardInterrupt"
+            self._interrupted()
             raise
         if got is None:
             raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
@@ -322,6 +326,12 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             self._stopped_by = message
             raise _core.WorkerError(message)
         return got
+
+    def _interrupted(self):
+        """Ctrl-C in a wait: stop the workers now (briefly let idle ones exit by
+        themselves, terminate busy ones) so the program can exit at once."""
+        self._shutdown_workers(grace=_FAILURE_GRACE_S)
+        self._stopped_by = "KeyboardInterrupt"
 
     def _next_data(self):
         if self._shutdown:
@@ -345,6 +355,8 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
                 self._rcvd_idx += 1
             else:
                 self._epoch_done = True
+                if self._pin_ahead is not None:
+                    self._pin_ahead.close()   # no thread idles between epochs
                 if _stats.enabled() and not self._stats_printed:
                     self._stats_printed = True
                     _stats.print_summary(self.stats(memory=False))
@@ -362,31 +374,10 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
                 self._send_unsent()
                 if len(self._task_info[self._rcvd_idx]) == 2:
                     continue   # the due task could not be sent: its error is due
-            wid, seq, kind, data, where = self._get_data(info[0], self._wake_on_due_only)
-            if kind == RES_RESUMED:
+            got = self._accept(self._get_data(info[0], self._wake_on_due_only))
+            if got is None:
                 continue
-            self._tasks_outstanding -= 1
-            if kind == RES_ITER_END:
-                self._ended_at[wid] = seq
-                if self._persistent_workers:
-                    self._workers_status[wid] = False
-                else:
-                    self._mark_worker_as_unavailable(wid)
-                self._try_put_index()
-                continue
-            snap = None
-            if kind == RES_BATCH_SNAP:
-                data, snap = data
-                # kept for state_dict() for long: a copy, so that it does not pin a
-                # ring slot (nor make later forks inherit it, see segment.c)
-                snap = copy.deepcopy(snap)
-            elif kind == RES_ERROR and isinstance(data, BaseException):
-                # the batch arrived but could not be rebuilt here (see
-                # fl_mainchan_take): its error is raised, unchanged, in its turn
-                data = _Unrebuilt(data)
-            elif kind == RES_ERROR and not isinstance(data, ExceptionWrapper):
-                data = ExceptionWrapper(where=f"in DataLoader worker process {wid}")
-            result = (data, where, snap)
+            wid, seq, result = got
             if seq != self._rcvd_idx:
                 if not self._in_order:
                     self._task_info.pop(seq)
@@ -475,6 +466,53 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             self._tasks_outstanding -= 1
             return True
 
+    def _accept(self, got):
+        """A received result's bookkeeping. A resume's answer or a worker's end of
+        stream is done with here (None); a batch or an error is returned as
+        (worker, seq, (data, where, snapshot)) for its turn."""
+        wid, seq, kind, data, where = got
+        if kind == RES_RESUMED:
+            return None
+        self._tasks_outstanding -= 1
+        if kind == RES_ITER_END:
+            self._ended_at[wid] = seq
+            if self._persistent_workers:
+                self._workers_status[wid] = False
+            else:
+                self._mark_worker_as_unavailable(wid)
+            self._try_put_index()
+            return None
+        snap = None
+        if kind == RES_BATCH_SNAP:
+            data, snap = data
+            # kept for state_dict() for long: a copy, so that it does not pin a
+            # ring slot (nor make later forks inherit it, see segment.c)
+            snap = copy.deepcopy(snap)
+        elif kind == RES_ERROR and isinstance(data, BaseException):
+            # the batch arrived but could not be rebuilt here (see
+            # fl_mainchan_take): its error is raised, unchanged, in its turn
+            data = _Unrebuilt(data)
+        elif kind == RES_ERROR and not isinstance(data, ExceptionWrapper):
+            data = ExceptionWrapper(where=f"in DataLoader worker process {wid}")
+        return wid, seq, (data, where, snap)
+
+    def _take_ahead(self):
+        """pin_memory, in order: take every batch already published, each kept for
+        its turn, and have the pin thread pin them while the loop works on the batch
+        handed out now (pin_ahead.py). Never sleeps: with timeout 0, recv returns
+        what is published or None (a worker's death is seen by the next wait)."""
+        while True:
+            got = _core.recv(self._channels, 0, 0.0)
+            if got is None:
+                return
+            got = self._accept(got)
+            if got is None:
+                continue
+            _wid, seq, (data, where, snap) = got
+            if not isinstance(data, (ExceptionWrapper, _Unrebuilt)):
+                data = self._pin_ahead.give(seq, data)
+            self._task_info[seq] += ((data, where, snap),)
+
     def _process_data(self, result, worker_idx, seq):
         data, where, snap = result
         self._workers_num_tasks[worker_idx] -= 1
@@ -486,7 +524,16 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             data.reraise()
         if type(data) is _Unrebuilt:
             raise data.error
-        if self._pin_memory:
+        if self._pin_ahead is not None:
+            self._take_ahead()
+            try:
+                data = self._pin_ahead.take(seq, data)
+            except KeyboardInterrupt:
+                self._interrupted()
+                raise
+            if isinstance(data, ExceptionWrapper):
+                data.reraise()
+        elif self._pin_memory:
             data = _pin.pin_memory(data, self._pin_memory_device)
         return data
 
@@ -508,6 +555,8 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         if self._shutdown:
             return
         self._shutdown = True
+        if getattr(self, "_pin_ahead", None) is not None:
+            self._pin_ahead.close()
         self._leave_state_with_loader()
         pool = self._pool
         if pool is not None:

@@ -1,0 +1,192 @@
+"""pin_memory=True: batches published ahead of their turn are pinned on a thread while
+the loop works on the batch before (pin_ahead.py), and the loop sees what torch's
+DataLoader gives it, errors included.
+
+CI has no accelerator, so pinning is played: torch.accelerator answers as a one-device
+machine would and Tensor.pin_memory returns a copy and records which thread made it.
+torch's own pin_memory() walks the batch, in both loaders. The real pinning was checked
+on an H200 (tests/conformance/test_conformance.py's accelerator tests and the
+issue's note)."""
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+import torch.utils.data
+
+import fastloader
+from tests.support import conformance_datasets as cds
+from tests.support import resume_datasets as rd
+from tests.support.helpers import assert_same_batch_lists, clone_batch
+
+PIN_THREAD = "fastloader_pin"
+
+
+class _PlayedPinning:
+    def __init__(self, fail_at=None):
+        self.threads = []          # (first value of the tensor, thread name) per pin
+        self.fail_at = fail_at     # a batch whose first value makes the pin fail
+
+    def pin(self, tensor):
+        first = int(tensor.flatten()[0]) if tensor.numel() else None
+        self.threads.append((first, threading.current_thread().name))
+        if self.fail_at is not None and first == self.fail_at:
+            raise ValueError(f"played pinning failed at {first}")
+        copy = tensor.clone()
+        copy.played_pinned = True
+        return copy
+
+
+@pytest.fixture
+def pinning(monkeypatch):
+    played = _PlayedPinning()
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
+    monkeypatch.setattr(torch.accelerator, "set_device_index", lambda index: None)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: played.pin(self))
+    return played
+
+
+def _pin_threads_alive():
+    return [t for t in threading.enumerate() if t.name == PIN_THREAD]
+
+
+def _run(DL, *, n=48, batch_size=4, step_s=0.02, persistent=False, stop_after=None):
+    """The loop's view: each batch (or the error its next() raised, as text), with
+    `step_s` of "training" per batch so that the workers publish ahead."""
+    loader = DL(cds.IndexDataset(n=n), batch_size=batch_size, num_workers=2,
+                pin_memory=True, persistent_workers=persistent,
+                multiprocessing_context="fork")
+    epochs = []
+    for stop in (stop_after, None):
+        seen = []
+        it = iter(loader)
+        while stop is None or len(seen) < stop:
+            try:
+                batch = next(it)
+            except StopIteration:
+                break
+            except Exception as e:   # the loop goes on past a failed batch, as torch's does
+                seen.append(("error", type(e).__name__, str(e).splitlines()[0]))
+                continue
+            assert getattr(batch, "played_pinned", False), "a batch was not pinned"
+            seen.append(batch.tolist())
+            time.sleep(step_s)
+        del it
+        epochs.append(seen)
+    return epochs
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_batches_published_ahead_are_pinned_on_the_pin_thread(pinning, persistent):
+    ours = _run(fastloader.DataLoader, persistent=persistent)
+    on_thread = [first for first, name in pinning.threads if name == PIN_THREAD]
+    pinning.threads.clear()
+    theirs = _run(torch.utils.data.DataLoader, persistent=persistent)
+    assert ours == theirs
+    # 24 batches, each 20 ms of "training" behind the workers: nearly all arrive
+    # before their turn (before the fix, every one was pinned on the main thread)
+    assert len(on_thread) >= 12, pinning.threads
+    assert not _pin_threads_alive()
+
+
+@pytest.mark.parametrize("step_s", [0.0, 0.02])
+def test_a_failed_pin_is_raised_at_its_batch_as_torchs_is(pinning, step_s):
+    pinning.fail_at = 20    # batch 5 (indices 20..23) of 12
+    ours = _run(fastloader.DataLoader, step_s=step_s)
+    pinning.threads.clear()
+    theirs = _run(torch.utils.data.DataLoader, step_s=step_s)
+    assert ours == theirs
+    assert ("error", "ValueError", "Caught ValueError in pin memory thread for device 0.") \
+        in ours[1]
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_an_epoch_broken_off_leaves_no_pinned_batch_for_the_next(pinning, persistent):
+    # the first epoch stops after 2 batches with more already pinned ahead; the next
+    # epoch's batch numbers start at 0 again and must get that epoch's own batches
+    ours = _run(fastloader.DataLoader, persistent=persistent, stop_after=2, step_s=0.05)
+    pinning.threads.clear()
+    theirs = _run(torch.utils.data.DataLoader, persistent=persistent, stop_after=2,
+                  step_s=0.05)
+    assert ours == theirs
+    assert len(ours[0]) == 2 and len(ours[1]) == 12
+    deadline = time.monotonic() + 30
+    while _pin_threads_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _pin_threads_alive()
+
+
+def test_out_of_order_delivery_pins_each_batch_when_it_is_handed_out(pinning):
+    loader = fastloader.DataLoader(cds.IndexDataset(n=24), batch_size=4, num_workers=2,
+                                   pin_memory=True, in_order=False,
+                                   multiprocessing_context="fork")
+    got = sorted(batch.tolist() for batch in loader)
+    assert got == sorted(b.tolist() for b in torch.utils.data.DataLoader(
+        cds.IndexDataset(n=24), batch_size=4))
+    assert {name for _, name in pinning.threads} == {threading.main_thread().name}
+
+
+@pytest.mark.parametrize("dataset", ["map", "stream"])
+@pytest.mark.parametrize("k", [1, 5])
+def test_a_state_saved_with_batches_pinned_ahead_resumes_them(pinning, dataset, k):
+    """Batches taken ahead and not yet handed out are not yielded: a resume gives them."""
+    def make_dataset():
+        return rd.RandomAugmented(48) if dataset == "map" else rd.CountingStream(45, True)
+
+    def make(seed):
+        return fastloader.DataLoader(make_dataset(), batch_size=4, num_workers=2,
+                                     shuffle=dataset == "map", pin_memory=True,
+                                     snapshot_every_n_steps=2, multiprocessing_context="fork",
+                                     generator=torch.Generator().manual_seed(seed))
+
+    full = [clone_batch(b) for b in make(7)]
+    first = make(7)
+    it = iter(first)
+    head = []
+    for _ in range(k):
+        head.append(clone_batch(next(it)))
+        time.sleep(0.05)   # the workers publish ahead meanwhile
+    taken_ahead = [name for _, name in pinning.threads if name == PIN_THREAD]
+    state = first.state_dict()
+    del it, first
+    second = make(999)
+    second.load_state_dict(state)
+    assert taken_ahead, "no batch was pinned ahead before the stop"
+    assert_same_batch_lists(full, head + [clone_batch(b) for b in second], "the epoch")
+
+
+def test_ctrl_c_while_a_batch_is_being_pinned_stops_the_workers(pinning, monkeypatch):
+    slow = threading.Event()
+    pin = pinning.pin
+
+    def slow_pin(tensor):
+        if int(tensor.flatten()[0]) == 8 and threading.current_thread().name == PIN_THREAD:
+            slow.set()
+            time.sleep(3)   # a copy that takes long: the loop waits for batch 2
+        return pin(tensor)
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: slow_pin(self))
+    loader = fastloader.DataLoader(cds.IndexDataset(n=48), batch_size=4, num_workers=2,
+                                   pin_memory=True, multiprocessing_context="fork")
+    it = iter(loader)
+    next(it)
+    time.sleep(0.3)          # batches 1.. are published
+    next(it)                 # batch 1; batch 2 goes to the pin thread
+    assert slow.wait(30), "batch 2 was not pinned ahead"
+    pids = list(it.worker_pids)
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            next(it)
+    finally:
+        timer.cancel()
+    with pytest.raises(RuntimeError, match="stopped after KeyboardInterrupt"):
+        next(it)
+    assert not [p for p in pids if psutil.pid_exists(p)
+                and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    del it
