@@ -228,7 +228,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         # pinned batches may answer them
         if getattr(self, "_pin_ahead", None) is not None:
             self._pin_ahead.close()
-        self._pin_ahead = (PinAhead(self._pin_memory_device)
+        self._pin_ahead = (PinAhead(self._pin_memory_device, self._counters.pinned_wait)
                            if self._pin_memory and self._in_order else None)
         if not first_iter:
             # an IterDataPipe gets the epoch's new shared seed with the resume

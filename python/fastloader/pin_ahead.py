@@ -12,8 +12,9 @@ The thread only pins: the ring, the order and the resume bookkeeping stay with t
 main thread. One per epoch (iterator._reset closes the last one), so a result can
 never answer a later epoch's batch of the same number.
 """
-import collections
+import heapq
 import threading
+import time
 
 import torch
 from torch._utils import ExceptionWrapper
@@ -65,8 +66,9 @@ PINNED_AHEAD = object()
 
 
 class PinAhead:
-    def __init__(self, device):
+    def __init__(self, device, on_wait):
         self._device = device                  # the pin_memory device argument
+        self._on_wait = on_wait                # gets the seconds each take() slept
         # read when the thread starts, mid-epoch: asking CUDA for it initialises
         # CUDA, which must not happen before this epoch's workers are forked
         self._device_index = None
@@ -76,7 +78,9 @@ class PinAhead:
         # new thread would start with OpenMP's default, not the user's setting)
         self._threads = torch.get_num_threads()
         self._cond = threading.Condition()
-        self._jobs = collections.deque()       # (seq, data), oldest first
+        # (seq, data), a heap: the batch due first is pinned first (they are taken
+        # ahead in the order the workers' rings are read, not their turns')
+        self._jobs = []
         self._done = {}                        # seq -> pinned data or ExceptionWrapper
         self._closed = False
         self._thread = None
@@ -92,7 +96,7 @@ class PinAhead:
                 self._thread = threading.Thread(target=self._run, name="fastloader_pin",
                                                 daemon=True)
                 self._thread.start()
-            self._jobs.append((seq, data))
+            heapq.heappush(self._jobs, (seq, data))   # seqs are unique: data is never compared
             self._cond.notify_all()
         return PINNED_AHEAD
 
@@ -102,14 +106,25 @@ class PinAhead:
         if data is not PINNED_AHEAD:
             return _pinned(data, self._device)
         with self._cond:
-            while seq not in self._done:
-                if self._closed:
-                    raise RuntimeError(f"fastloader: batch {seq} was dropped with its "
-                                       "epoch's pin-memory thread")
-                if not self._thread.is_alive():
-                    raise RuntimeError("fastloader: the pin-memory thread exited unexpectedly")
-                self._cond.wait(_WAIT_SLICE_S)
-            return self._done.pop(seq)
+            if seq in self._done:
+                return self._done.pop(seq)
+            # a data stall like any other (stats.py): timed only when it sleeps
+            started = time.perf_counter()
+            try:
+                return self._wait_for(seq)
+            finally:
+                self._on_wait(time.perf_counter() - started)
+
+    def _wait_for(self, seq):
+        # called with self._cond held
+        while seq not in self._done:
+            if self._closed:
+                raise RuntimeError(f"fastloader: batch {seq} was dropped with its "
+                                   "epoch's pin-memory thread")
+            if not self._thread.is_alive():
+                raise RuntimeError("fastloader: the pin-memory thread exited unexpectedly")
+            self._cond.wait(_WAIT_SLICE_S)
+        return self._done.pop(seq)
 
     def close(self):
         """Drop what is left and end the thread (at most one batch's pinning away)."""
@@ -139,7 +154,7 @@ class PinAhead:
                     self._cond.wait()
                 if self._closed:
                     return
-                seq, data = self._jobs.popleft()
+                seq, data = heapq.heappop(self._jobs)
             data = failed or _pinned(data, self._device, self._device_index)
             with self._cond:
                 if not self._closed:

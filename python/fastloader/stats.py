@@ -27,9 +27,11 @@ class EpochCounters:
     """What the main process counts during one epoch: batches delivered (by where
     they travelled, and per worker) and the time it waited for data. The waiting
     is timed in C by recv(), only when it sleeps, per channel (MainChannel.wait_s,
-    which spans the channel's life): an epoch's is the growth since its start."""
+    which spans the channel's life): an epoch's is the growth since its start, plus
+    what the main process waited for the pin thread (pinned_wait)."""
 
-    __slots__ = ("epoch", "started", "by_where", "by_worker", "_channels", "_wait_base")
+    __slots__ = ("epoch", "started", "by_where", "by_worker", "_channels", "_wait_base",
+                 "_pin_wait")
     clock = staticmethod(time.perf_counter)
 
     def __init__(self, epoch: int, num_workers: int, channels=()):
@@ -39,13 +41,18 @@ class EpochCounters:
         self.by_worker = [0] * num_workers
         self._channels = tuple(channels)
         self._wait_base = self._waited_so_far()
+        self._pin_wait = 0.0
 
     def _waited_so_far(self) -> float:
         return sum(ch.wait_s for ch in self._channels)
 
     @property
     def wait_s(self) -> float:
-        return self._waited_so_far() - self._wait_base
+        return self._waited_so_far() - self._wait_base + self._pin_wait
+
+    def pinned_wait(self, seconds: float) -> None:
+        """The main process waited for its batch to be pinned (pin_ahead.py)."""
+        self._pin_wait += seconds
 
     def delivered(self, worker: int, where: int) -> None:
         self.by_where[where] += 1

@@ -9,6 +9,7 @@ on an H200 (tests/conformance/test_conformance.py's accelerator tests and the
 issue's note)."""
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -159,34 +160,74 @@ def test_a_state_saved_with_batches_pinned_ahead_resumes_them(pinning, dataset, 
     assert_same_batch_lists(full, head + [clone_batch(b) for b in second], "the epoch")
 
 
+def _interrupt_once_waiting_for_the_pin_thread(sent):
+    """Ctrl-C once the main thread sleeps for a batch the pin thread holds."""
+    main = threading.main_thread().ident
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        frame = sys._current_frames().get(main)
+        while frame is not None:
+            if frame.f_code.co_name == "_wait_for":
+                sent.set()
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            frame = frame.f_back
+        time.sleep(0.01)
+
+
 def test_ctrl_c_while_a_batch_is_being_pinned_stops_the_workers(pinning, monkeypatch):
-    slow = threading.Event()
+    gate = threading.Event()
     pin = pinning.pin
 
-    def slow_pin(tensor):
-        if int(tensor.flatten()[0]) == 8 and threading.current_thread().name == PIN_THREAD:
-            slow.set()
-            time.sleep(3)   # a copy that takes long: the loop waits for batch 2
+    def stuck_pin(tensor):
+        if threading.current_thread().name == PIN_THREAD:
+            gate.wait(60)   # a copy that does not end: the loop waits for it
         return pin(tensor)
 
-    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: slow_pin(self))
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: stuck_pin(self))
     loader = fastloader.DataLoader(cds.IndexDataset(n=48), batch_size=4, num_workers=2,
                                    pin_memory=True, multiprocessing_context="fork")
     it = iter(loader)
-    next(it)
-    time.sleep(0.3)          # batches 1.. are published
-    next(it)                 # batch 1; batch 2 goes to the pin thread
-    assert slow.wait(30), "batch 2 was not pinned ahead"
     pids = list(it.worker_pids)
-    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
+    sent = threading.Event()
+    interrupter = threading.Thread(target=_interrupt_once_waiting_for_the_pin_thread,
+                                   args=(sent,))
+    interrupter.start()
     try:
         with pytest.raises(KeyboardInterrupt):
-            next(it)
+            for _ in range(12):   # the batches before the one held are pinned here
+                next(it)
+                time.sleep(0.05)
     finally:
-        timer.cancel()
+        interrupter.join()
+        gate.set()
+    assert sent.is_set()
     with pytest.raises(RuntimeError, match="stopped after KeyboardInterrupt"):
         next(it)
     assert not [p for p in pids if psutil.pid_exists(p)
                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     del it
+    deadline = time.monotonic() + 30
+    while _pin_threads_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _pin_threads_alive()
+
+
+def test_waiting_for_the_pin_thread_counts_as_waiting_for_data(pinning, monkeypatch):
+    pin = pinning.pin
+
+    def slow_pin(tensor):
+        if threading.current_thread().name == PIN_THREAD:
+            time.sleep(0.1)
+        return pin(tensor)
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: slow_pin(self))
+    loader = fastloader.DataLoader(cds.IndexDataset(n=48), batch_size=4, num_workers=2,
+                                   pin_memory=True, multiprocessing_context="fork")
+    assert len(list(loader)) == 12
+    on_thread = sum(name == PIN_THREAD for _, name in pinning.threads)
+    stats = loader.stats()
+    # the loop does nothing but wait: the thread's 0.1 s per batch is its data stall
+    # (the workers are far ahead: their own waits are a few milliseconds)
+    assert on_thread >= 6, pinning.threads
+    assert stats["wait_s"] >= 0.05 * on_thread, (stats["wait_s"], on_thread)
