@@ -17,7 +17,6 @@ import pickle
 import torch
 from torch._utils import ExceptionWrapper
 from torch.utils.data import IterDataPipe, MapDataPipe, _DatasetKind
-from torch.utils.data._utils import pin_memory as _pin
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _sharding_worker_init_fn
 
 from . import _core
@@ -26,7 +25,7 @@ from . import stats as _stats
 from .distributed import rank_info
 from .index_batches import as_list, sequential_batches
 from .metadata_warning import warn_if_heavy_metadata
-from .pin_ahead import PinAhead
+from .pin_ahead import PinAhead, pinned
 from .pool import WorkerPool, WorkerSpec
 from .protocol import (
     RES_BATCH_SNAP, RES_DEAD, RES_ERROR, RES_ITER_END, RES_RESUMED, TASK_CONTROL, TASK_PICKLE,
@@ -356,7 +355,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             else:
                 self._epoch_done = True
                 if self._pin_ahead is not None:
-                    self._pin_ahead.close()   # no thread idles between epochs
+                    self._pin_ahead.close()   # an ended epoch leaves no thread
                 if _stats.enabled() and not self._stats_printed:
                     self._stats_printed = True
                     _stats.print_summary(self.stats(memory=False))
@@ -383,7 +382,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
                     self._task_info.pop(seq)
                     self._tracker.delivered_ahead(seq)
                     return self._process_data(result, wid, seq)
-                self._task_info[seq] += (result,)
+                self._keep_for_turn(seq, result)
             else:
                 self._task_info.pop(seq)
                 self._rcvd_idx += 1
@@ -501,40 +500,66 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         its turn, and have the pin thread pin them while the loop works on the batch
         handed out now (pin_ahead.py). Never sleeps: with timeout 0, recv returns
         what is published or None (a worker's death is seen by the next wait)."""
+        taken = []
         while True:
             got = _core.recv(self._channels, 0, 0.0)
             if got is None:
-                return
+                break
             got = self._accept(got)
-            if got is None:
-                continue
-            _wid, seq, (data, where, snap) = got
-            if not isinstance(data, (ExceptionWrapper, _Unrebuilt)):
-                data = self._pin_ahead.give(seq, data)
-            self._task_info[seq] += ((data, where, snap),)
+            if got is not None:
+                taken.append(got)
+        # the rings are read worker by worker: the batch due first goes first, so
+        # that the thread cannot start on a later one before it is given
+        for _wid, seq, result in sorted(taken, key=operator.itemgetter(1)):
+            self._keep_for_turn(seq, result)
+
+    def _keep_for_turn(self, seq, result):
+        """In order: a result that arrived before its turn waits in _task_info;
+        with pin_memory a batch is given to the pin thread meanwhile."""
+        data, where, snap = result
+        if self._pin_ahead is not None and not isinstance(data, (ExceptionWrapper,
+                                                                 _Unrebuilt)):
+            result = (self._pin_ahead.give(seq, data), where, snap)
+        self._task_info[seq] += (result,)
+
+    def _pinned_result(self, result, worker_idx, seq):
+        """pin_memory, in order: batch `seq`'s result, pinned, before anything of it
+        is counted. A Ctrl-C or a timeout while it is being pinned puts the batch
+        back as not yet handed out (a state saved then, as the workers stop, still
+        has it to come; after a timeout, the next next() waits for it again)."""
+        self._take_ahead()
+        data, where, snap = result
+        if isinstance(data, (ExceptionWrapper, _Unrebuilt)):
+            return result
+        try:
+            return self._pin_ahead.take(seq, data, self._recv_timeout), where, snap
+        except (KeyboardInterrupt, TimeoutError) as e:
+            # the caller took it off _task_info and moved _rcvd_idx past it
+            self._task_info[seq] = (worker_idx, result)
+            self._rcvd_idx = seq
+            if isinstance(e, KeyboardInterrupt):
+                self._interrupted()
+                raise
+            raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds") from None
 
     def _process_data(self, result, worker_idx, seq):
+        if self._pin_ahead is not None:
+            result = self._pinned_result(result, worker_idx, seq)
         data, where, snap = result
         self._workers_num_tasks[worker_idx] -= 1
         self._counters.delivered(worker_idx, where)
         if snap is not _NOT_SENT:
             self._tracker.delivered(worker_idx, seq, snap)
         self._try_put_index()
-        if isinstance(data, ExceptionWrapper):
+        if isinstance(data, ExceptionWrapper):   # a pinning error too
             data.reraise()
         if type(data) is _Unrebuilt:
             raise data.error
-        if self._pin_ahead is not None:
-            self._take_ahead()
-            try:
-                data = self._pin_ahead.take(seq, data)
-            except KeyboardInterrupt:
-                self._interrupted()
-                raise
+        if self._pin_memory and self._pin_ahead is None:
+            # out of order: pinned as it is handed out, its error wrapped as torch's
+            data = pinned(data, self._pin_memory_device)
             if isinstance(data, ExceptionWrapper):
                 data.reraise()
-        elif self._pin_memory:
-            data = _pin.pin_memory(data, self._pin_memory_device)
         return data
 
     def _mark_worker_as_unavailable(self, worker_id, shutdown=False):
@@ -556,7 +581,8 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             return
         self._shutdown = True
         if getattr(self, "_pin_ahead", None) is not None:
-            self._pin_ahead.close()
+            # on a failure, not even a copy under way may hold up the error
+            self._pin_ahead.close(wait=deferred)
         self._leave_state_with_loader()
         pool = self._pool
         if pool is not None:

@@ -23,9 +23,9 @@ from torch.utils.data._utils import pin_memory as _pin
 # how long the main thread sleeps at a time while its batch is being pinned, so that
 # Ctrl-C and a dead thread are noticed
 _WAIT_SLICE_S = 0.1
-# close() waits this long for a copy under way (milliseconds, normally); a copy
-# stuck in the driver must not hold up Ctrl-C or the loop: the thread then ends on
-# its own once it is done, and drops its result
+# close() waits this long for a copy under way (milliseconds, normally; on a
+# failure it does not wait): a copy stuck in the driver must not hold up the loop;
+# the thread then ends on its own once it is done, and drops its result
 _CLOSE_WAIT_S = 2.0
 
 
@@ -49,7 +49,7 @@ def _set_device_index(index):
         torch.cuda.set_device(index)
 
 
-def _pinned(data, device, device_index=None):
+def pinned(data, device, device_index=None):
     """`data` pinned, or the error as torch's pin thread reports it: the same error
     whether the batch was pinned ahead or at its turn."""
     try:
@@ -59,9 +59,10 @@ def _pinned(data, device, device_index=None):
         return ExceptionWrapper(where=f"in pin memory thread for device {index}")
 
 
-# what the iterator keeps in place of a batch given to the thread: the thread holds
-# the only reference, so once the batch is pinned its ring slot goes back to its
-# worker without waiting for the batch's turn
+# what the iterator keeps in place of a batch given to the thread: the iterator
+# keeps no reference to the unpinned batch, so once it is pinned its ring slot goes
+# back to its worker without waiting for the batch's turn (unless the pinned batch
+# still holds part of it: a leaf pin_memory() returns as it is, a NumPy array say)
 PINNED_AHEAD = object()
 
 
@@ -100,22 +101,24 @@ class PinAhead:
             self._cond.notify_all()
         return PINNED_AHEAD
 
-    def take(self, seq, data):
+    def take(self, seq, data, timeout=None):
         """Batch `seq` pinned (or an ExceptionWrapper): the thread's result if it was
-        given (`data` is PINNED_AHEAD), else pinned here."""
+        given (`data` is PINNED_AHEAD), else pinned here. TimeoutError after
+        `timeout` seconds (None: no limit) without the thread's result; the result
+        stays for a later take()."""
         if data is not PINNED_AHEAD:
-            return _pinned(data, self._device)
+            return pinned(data, self._device)
         with self._cond:
             if seq in self._done:
                 return self._done.pop(seq)
             # a data stall like any other (stats.py): timed only when it sleeps
             started = time.perf_counter()
             try:
-                return self._wait_for(seq)
+                return self._wait_for(seq, None if timeout is None else started + timeout)
             finally:
                 self._on_wait(time.perf_counter() - started)
 
-    def _wait_for(self, seq):
+    def _wait_for(self, seq, deadline):
         # called with self._cond held
         while seq not in self._done:
             if self._closed:
@@ -123,18 +126,25 @@ class PinAhead:
                                    "epoch's pin-memory thread")
             if not self._thread.is_alive():
                 raise RuntimeError("fastloader: the pin-memory thread exited unexpectedly")
-            self._cond.wait(_WAIT_SLICE_S)
+            wait = _WAIT_SLICE_S
+            if deadline is not None:
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    raise TimeoutError(seq)
+                wait = min(wait, left)
+            self._cond.wait(wait)
         return self._done.pop(seq)
 
-    def close(self):
-        """Drop what is left and end the thread (at most one batch's pinning away)."""
+    def close(self, wait=True):
+        """Drop what is left and end the thread: at once, or once the copy under
+        way, if any, is done (`wait`; at most _CLOSE_WAIT_S)."""
         with self._cond:
             self._closed = True
             self._jobs.clear()
             self._done.clear()
             self._cond.notify_all()
             thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
+        if wait and thread is not None and thread is not threading.current_thread():
             thread.join(_CLOSE_WAIT_S)
 
     def _run(self):
@@ -155,7 +165,7 @@ class PinAhead:
                 if self._closed:
                     return
                 seq, data = heapq.heappop(self._jobs)
-            data = failed or _pinned(data, self._device, self._device_index)
+            data = failed or pinned(data, self._device, self._device_index)
             with self._cond:
                 if not self._closed:
                     self._done[seq] = data

@@ -231,3 +231,101 @@ def test_waiting_for_the_pin_thread_counts_as_waiting_for_data(pinning, monkeypa
     # (the workers are far ahead: their own waits are a few milliseconds)
     assert on_thread >= 6, pinning.threads
     assert stats["wait_s"] >= 0.05 * on_thread, (stats["wait_s"], on_thread)
+
+
+def _gated_pinning(pinning, monkeypatch, value):
+    """The pin of the batch whose first value is `value` waits, on a pin thread
+    (torch's or ours), until the returned gate opens."""
+    gate = threading.Event()
+    pin = pinning.pin
+
+    def gated_pin(tensor):
+        if (threading.current_thread() is not threading.main_thread()
+                and int(tensor.flatten()[0]) == value):
+            gate.wait(60)
+        return pin(tensor)
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: gated_pin(self))
+    return gate
+
+
+def test_a_timeout_while_a_batch_is_being_pinned_is_torchs_and_loses_nothing(
+        pinning, monkeypatch):
+    def run(DL):
+        gate = _gated_pinning(pinning, monkeypatch, 8)   # batch 2
+        # batch 2 comes 0.5 s late: batch 1 is surely pinned before it (torch's
+        # thread pins in the order batches arrive)
+        loader = DL(cds.IndexDataset(n=24, delays={8: 0.5}), batch_size=4, num_workers=2,
+                    pin_memory=True, timeout=1.5, multiprocessing_context="fork")
+        it = iter(loader)
+        seen = [next(it).tolist()]
+        time.sleep(1)   # batch 2 is published before batch 1 is handed out
+        seen.append(next(it).tolist())
+        try:
+            next(it)
+        except RuntimeError as e:
+            seen.append(str(e))
+        gate.set()
+        seen += [b.tolist() for b in it]
+        return seen
+
+    ours = run(fastloader.DataLoader)
+    theirs = run(torch.utils.data.DataLoader)
+    assert ours == theirs
+    assert ours[2] == "DataLoader timed out after 1.5 seconds" and len(ours) == 7
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_state_saved_after_ctrl_c_while_a_batch_is_pinned_resumes_it(
+        pinning, monkeypatch, persistent):
+    gate = _gated_pinning(pinning, monkeypatch, 8)   # batch 2
+
+    def make(seed):
+        return fastloader.DataLoader(cds.IndexDataset(n=24, delays={8: 0.5}),
+                                     batch_size=4, num_workers=2,
+                                     pin_memory=True, persistent_workers=persistent,
+                                     multiprocessing_context="fork",
+                                     generator=torch.Generator().manual_seed(seed))
+
+    loader = make(7)
+    it = iter(loader)
+    head = [next(it).tolist()]
+    time.sleep(1)   # batch 2 is published before batch 1 is handed out
+    head.append(next(it).tolist())
+    sent = threading.Event()
+    interrupter = threading.Thread(target=_interrupt_once_waiting_for_the_pin_thread,
+                                   args=(sent,))
+    interrupter.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            next(it)
+    finally:
+        interrupter.join()
+        gate.set()
+    assert sent.is_set()
+    state = loader.state_dict()
+    del it, loader
+    resumed = make(999)
+    resumed.load_state_dict(state)
+    rest = [b.tolist() for b in resumed]
+    assert head + rest == [[[i, 10 * i] for i in range(b, b + 4)] for b in range(0, 24, 4)]
+
+
+def test_out_of_order_a_failed_pin_is_raised_as_torchs_is(pinning):
+    pinning.fail_at = 20
+
+    def run(DL):
+        loader = DL(cds.IndexDataset(n=48), batch_size=4, num_workers=2, pin_memory=True,
+                    in_order=False, multiprocessing_context="fork")
+        seen, it = [], iter(loader)
+        while True:
+            try:
+                seen.append(repr(next(it).tolist()))
+            except StopIteration:
+                return sorted(seen)
+            except ValueError as e:
+                seen.append(str(e).splitlines()[0])
+
+    ours, theirs = run(fastloader.DataLoader), run(torch.utils.data.DataLoader)
+    assert ours == theirs
+    assert "Caught ValueError in pin memory thread for device 0." in ours

@@ -100,7 +100,10 @@ def test_many_short_epochs_leave_nothing_behind():
     # ours only: another suite on the box may hold segments of its own meanwhile
     left = shm_left(shm0)
     assert not left, sorted(left)
-    assert zombies_seen <= 4, f"{zombies_seen} zombies at once: workers are not reaped"
+    # a worker unreaped would pile up (400 over the run); the reaper runs off the
+    # loop's path, so on a loaded box a few epochs' workers may wait for it at once
+    # (5 seen here under 2 busy loops, against a bound of 4 that was 2 epochs')
+    assert zombies_seen <= 8, f"{zombies_seen} zombies at once: workers are not reaped"
 
 
 def test_a_worker_that_does_not_stop_is_terminated_by_the_reaper():
