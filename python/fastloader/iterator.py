@@ -527,11 +527,12 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         is counted. A Ctrl-C or a timeout while it is being pinned puts the batch
         back as not yet handed out (a state saved then, as the workers stop, still
         has it to come; after a timeout, the next next() waits for it again)."""
-        self._take_ahead()
         data, where, snap = result
-        if isinstance(data, (ExceptionWrapper, _Unrebuilt)):
-            return result
         try:
+            # taking the others decodes them: a Ctrl-C may land there too
+            self._take_ahead()
+            if isinstance(data, (ExceptionWrapper, _Unrebuilt)):
+                return result
             return self._pin_ahead.take(seq, data, self._recv_timeout), where, snap
         except (KeyboardInterrupt, TimeoutError) as e:
             # the caller took it off _task_info and moved _rcvd_idx past it

@@ -2,7 +2,7 @@
 
 torch's iterator pins every batch on a pin-memory thread, so the copy into page-locked
 memory overlaps the training step. The main process here receives a batch only when
-it is due; pinning it then put the copy on the training loop's path (loops 1.9-3.2x
+it is due; pinning it then put the copy on the training loop's path (loops 2.0-2.8x
 slower than now in `python -m benchmarks.pin_memory_gpu` on an H200). Instead,
 each time a batch is handed out, the batches already published in the ring are taken
 too (iterator.py) and given to this thread, which pins them while the loop works on

@@ -329,3 +329,55 @@ def test_out_of_order_a_failed_pin_is_raised_as_torchs_is(pinning):
     ours, theirs = run(fastloader.DataLoader), run(torch.utils.data.DataLoader)
     assert ours == theirs
     assert "Caught ValueError in pin memory thread for device 0." in ours
+
+
+_MAIN_PID = os.getpid()
+
+
+def _rebuild_tag(value, interrupt_at):
+    if os.getpid() == _MAIN_PID and value == interrupt_at:
+        os.kill(_MAIN_PID, signal.SIGINT)   # the user's Ctrl-C, as this batch is decoded
+        for _ in range(1000):
+            pass
+    return _Tag(value, None)
+
+
+class _Tag:
+    """Rebuilt in the main process by unpickling: there it can press Ctrl-C."""
+
+    def __init__(self, value, interrupt_at):
+        self.value, self.interrupt_at = value, interrupt_at
+
+    def __reduce__(self):
+        return _rebuild_tag, (self.value, self.interrupt_at)
+
+
+def _tagging_collate(interrupt_at):
+    def collate(samples):
+        batch = torch.stack(samples)
+        return {"x": batch, "tag": _Tag(int(batch[0, 0]), interrupt_at)}
+    return collate
+
+
+def test_ctrl_c_while_batches_are_taken_ahead_loses_none_and_stops_the_workers(pinning):
+    def make(interrupt_at):
+        return fastloader.DataLoader(cds.IndexDataset(n=48), batch_size=4, num_workers=2,
+                                     pin_memory=True, multiprocessing_context="fork",
+                                     collate_fn=_tagging_collate(interrupt_at))
+
+    loader = make(20)   # batch 5 presses Ctrl-C as the main process decodes it
+    it = iter(loader)
+    head = []
+    with pytest.raises(KeyboardInterrupt) as caught:
+        for batch in it:
+            head.append(batch["x"][:, 0].tolist())
+            time.sleep(0.1)   # the training step: batch 5 arrives before its turn
+    where = [f.name for f in caught.traceback]
+    assert "_take_ahead" in where, where
+    assert it._shutdown, "the workers were not stopped"
+    state = loader.state_dict()
+    del it, loader
+    resumed = make(None)
+    resumed.load_state_dict(state)
+    rest = [batch["x"][:, 0].tolist() for batch in resumed]
+    assert head + rest == [list(range(b, b + 4)) for b in range(0, 48, 4)]
