@@ -7,6 +7,7 @@ machine would and Tensor.pin_memory returns a copy and records which thread made
 torch's own pin_memory() walks the batch, in both loaders. The real pinning was checked
 on an H200 (tests/conformance/test_conformance.py's accelerator tests and the
 issue's note)."""
+import contextlib
 import os
 import signal
 import sys
@@ -175,6 +176,23 @@ def _interrupt_once_waiting_for_the_pin_thread(sent):
         time.sleep(0.01)
 
 
+@contextlib.contextmanager
+def _ctrl_c_in_the_pin_wait(gate):
+    """The block must raise the KeyboardInterrupt of a Ctrl-C pressed once the main
+    thread sleeps for a batch the pin thread holds; `gate` opens afterwards."""
+    sent = threading.Event()
+    interrupter = threading.Thread(target=_interrupt_once_waiting_for_the_pin_thread,
+                                   args=(sent,))
+    interrupter.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            yield
+    finally:
+        interrupter.join()
+        gate.set()
+    assert sent.is_set()
+
+
 def test_ctrl_c_while_a_batch_is_being_pinned_stops_the_workers(pinning, monkeypatch):
     gate = threading.Event()
     pin = pinning.pin
@@ -189,19 +207,10 @@ def test_ctrl_c_while_a_batch_is_being_pinned_stops_the_workers(pinning, monkeyp
                                    pin_memory=True, multiprocessing_context="fork")
     it = iter(loader)
     pids = list(it.worker_pids)
-    sent = threading.Event()
-    interrupter = threading.Thread(target=_interrupt_once_waiting_for_the_pin_thread,
-                                   args=(sent,))
-    interrupter.start()
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            for _ in range(12):   # the batches before the one held are pinned here
-                next(it)
-                time.sleep(0.05)
-    finally:
-        interrupter.join()
-        gate.set()
-    assert sent.is_set()
+    with _ctrl_c_in_the_pin_wait(gate):
+        for _ in range(12):   # the batches before the one held are pinned here
+            next(it)
+            time.sleep(0.05)
     with pytest.raises(RuntimeError, match="stopped after KeyboardInterrupt"):
         next(it)
     assert not [p for p in pids if psutil.pid_exists(p)
@@ -292,17 +301,8 @@ def test_a_state_saved_after_ctrl_c_while_a_batch_is_pinned_resumes_it(
     head = [next(it).tolist()]
     time.sleep(1)   # batch 2 is published before batch 1 is handed out
     head.append(next(it).tolist())
-    sent = threading.Event()
-    interrupter = threading.Thread(target=_interrupt_once_waiting_for_the_pin_thread,
-                                   args=(sent,))
-    interrupter.start()
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            next(it)
-    finally:
-        interrupter.join()
-        gate.set()
-    assert sent.is_set()
+    with _ctrl_c_in_the_pin_wait(gate):
+        next(it)
     state = loader.state_dict()
     del it, loader
     resumed = make(999)
