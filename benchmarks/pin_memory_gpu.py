@@ -2,12 +2,14 @@
 
     python -m benchmarks.pin_memory_gpu                  # 4 workers, 5 repeats
     python -m benchmarks.pin_memory_gpu --workers 8 --repeats 9
+    python -m benchmarks.pin_memory_gpu --out-of-order   # in_order=False
 
 Needs a CUDA GPU (it says so and exits 2 without one); `make bench` does not run it.
 Each epoch moves batches of 64 images (uint8 or float32, 3x224x224: 9.6 or 38.5 MB)
 to the GPU with ``.to("cuda", non_blocking=True)``, runs a fixed GPU step on them
-(``--step`` matrix products, 0 for none) and syncs once per batch, as a loop that
-reads its loss does. Every batch is checked to be pinned and in order.
+(20 matrix products, or none) and syncs once per batch, as a loop that reads its
+loss does. Every batch is checked to be pinned and in order (with --out-of-order,
+the loaders get in_order=False, and each epoch is checked to have every batch once).
 
 Three loaders, each built once with persistent fork workers and alternated epoch by
 epoch (the first epoch is not timed): torch's; fastloader; and fastloader with every
@@ -53,28 +55,37 @@ def _gpu_step(batch, weight, products):
     return out.item()
 
 
-def _epoch(loader, weight, products):
+def _epoch(loader, weight, products, in_order):
     start = time.perf_counter()
+    firsts = []
     for n, (images, indices) in enumerate(loader):
         if not (images.is_pinned() and indices.is_pinned()):
             raise AssertionError(f"batch {n} was not pinned")
-        if int(indices[0]) != n * BATCH:
+        firsts.append(int(indices[0]))
+        if in_order and firsts[-1] != n * BATCH:
             raise AssertionError(f"batch {n} out of order: {indices[:4].tolist()}")
         _gpu_step(images.to("cuda", non_blocking=True), weight, products)
-    return time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    if sorted(firsts) != list(range(0, len(loader.dataset), BATCH)):
+        raise AssertionError("an epoch did not have every batch once")
+    return seconds
 
 
-def _at_its_turn(device, on_wait):
-    return None   # no PinAhead: the iterator pins each batch when it is due
+class _AtItsTurn(fastloader_iterator.PinAhead):
+    """Gives nothing to the thread: the iterator pins each batch on the main thread
+    when it hands it out."""
+
+    def give(self, seq, data):
+        return data
 
 
 LOADERS = ("torch", "fastloader", "fastloader, pinned at its turn")
 
 
-def measure(dtype, batches, products, workers, repeats):
+def measure(dtype, batches, products, workers, repeats, in_order=True):
     dataset = Images(batches * BATCH, dtype)
     weight = torch.randn(4096, 4096, device="cuda")
-    kw = dict(batch_size=BATCH, num_workers=workers, pin_memory=True,
+    kw = dict(batch_size=BATCH, num_workers=workers, pin_memory=True, in_order=in_order,
               persistent_workers=True, multiprocessing_context="fork")
     loaders = {"torch": torch.utils.data.DataLoader(dataset, **kw),
                "fastloader": fastloader.DataLoader(dataset, **kw),
@@ -85,9 +96,9 @@ def measure(dtype, batches, products, workers, repeats):
         for repeat in range(repeats + 1):
             for name, loader in loaders.items():
                 # the class the iterator makes at each epoch's start
-                fastloader_iterator.PinAhead = (_at_its_turn if name.endswith("turn")
+                fastloader_iterator.PinAhead = (_AtItsTurn if name.endswith("turn")
                                                 else pin_ahead)
-                seconds = _epoch(loader, weight, products)
+                seconds = _epoch(loader, weight, products, in_order)
                 if repeat:
                     times[name].append(seconds)
     finally:
@@ -100,19 +111,23 @@ def main(argv=None):
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batches", type=int, default=100)
+    parser.add_argument("--out-of-order", action="store_true",
+                        help="the loaders get in_order=False")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("pin_memory_gpu: needs a CUDA GPU; none is available", file=sys.stderr)
         return 2
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"{args.workers} workers, batch {BATCH}, {args.batches} batches per epoch, "
-          f"median of {args.repeats} epochs (ms)")
+          f"median of {args.repeats} epochs (ms)"
+          + (", in_order=False" if args.out_of_order else ""))
     print("| images | GPU step | " + " | ".join(LOADERS)
           + " | torch / fastloader | at its turn / fastloader |")
     print("|---|---:|" + "---:|" * (len(LOADERS) + 2))
     for dtype, label in ((torch.uint8, "uint8, 9.6 MB"), (torch.float32, "float32, 38.5 MB")):
         for products in (0, 20):
-            med = measure(dtype, args.batches, products, args.workers, args.repeats)
+            med = measure(dtype, args.batches, products, args.workers, args.repeats,
+                          in_order=not args.out_of_order)
             fl = med["fastloader"]
             print(f"| {label} | {products} products | "
                   + " | ".join(f"{med[name] * 1000:.0f}" for name in LOADERS)

@@ -25,7 +25,7 @@ from . import stats as _stats
 from .distributed import rank_info
 from .index_batches import as_list, sequential_batches
 from .metadata_warning import warn_if_heavy_metadata
-from .pin_ahead import PinAhead, pinned
+from .pin_ahead import PinAhead
 from .pool import WorkerPool, WorkerSpec
 from .protocol import (
     RES_BATCH_SNAP, RES_DEAD, RES_ERROR, RES_ITER_END, RES_RESUMED, TASK_CONTROL, TASK_PICKLE,
@@ -227,8 +227,12 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         # pinned batches may answer them
         if getattr(self, "_pin_ahead", None) is not None:
             self._pin_ahead.close()
-        self._pin_ahead = (PinAhead(self._pin_memory_device, self._counters.pinned_wait)
-                           if self._pin_memory and self._in_order else None)
+        self._pin_ahead = (PinAhead(self._pin_memory_device, self._counters.pinned_wait,
+                                    self._in_order)
+                           if self._pin_memory else None)
+        # in_order=False with pin_memory: the batches taken ahead (kept in
+        # _task_info, given to the pin thread), to hand out in the order they came
+        self._ready = collections.deque()
         if not first_iter:
             # an IterDataPipe gets the epoch's new shared seed with the resume
             seed = pickle.dumps(self._shared_seed)
@@ -345,6 +349,15 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             raise RuntimeError(f"DataLoader iterator: its workers were stopped{why}; "
                                "iter(loader) starts a new epoch with new workers")
         while True:
+            while self._ready:
+                seq = self._ready.popleft()
+                info = self._task_info.get(seq, ())
+                if len(info) == 2:
+                    del self._task_info[seq]
+                    ahead = seq != self._rcvd_idx
+                    if not ahead:
+                        self._rcvd_idx += 1
+                    return self._process_data(info[1], info[0], seq, ahead)
             while self._rcvd_idx < self._send_idx:
                 info = self._task_info.get(self._rcvd_idx, None)
                 if info:
@@ -380,8 +393,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             if seq != self._rcvd_idx:
                 if not self._in_order:
                     self._task_info.pop(seq)
-                    self._tracker.delivered_ahead(seq)
-                    return self._process_data(result, wid, seq)
+                    return self._process_data(result, wid, seq, ahead=True)
                 self._keep_for_turn(seq, result)
             else:
                 self._task_info.pop(seq)
@@ -496,10 +508,11 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         return wid, seq, (data, where, snap)
 
     def _take_ahead(self):
-        """pin_memory, in order: take every batch already published, each kept for
-        its turn, and have the pin thread pin them while the loop works on the batch
-        handed out now (pin_ahead.py). Never sleeps: with timeout 0, recv returns
-        what is published or None (a worker's death is seen by the next wait)."""
+        """pin_memory: take every batch already published, each kept for its turn
+        (out of order: to be handed out next, in the order taken), and have the pin
+        thread pin them while the loop works on the batch handed out now
+        (pin_ahead.py). Never sleeps: with timeout 0, recv returns what is published
+        or None (a worker's death is seen by the next wait)."""
         taken = []
         while True:
             got = _core.recv(self._channels, 0, 0.0)
@@ -515,18 +528,21 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
 
     def _keep_for_turn(self, seq, result):
         """In order: a result that arrived before its turn waits in _task_info;
-        with pin_memory a batch is given to the pin thread meanwhile."""
+        with pin_memory a batch is given to the pin thread meanwhile. Out of order
+        (taken ahead with pin_memory): it waits there too, its number in _ready."""
         data, where, snap = result
         if self._pin_ahead is not None and not isinstance(data, (ExceptionWrapper,
                                                                  _Unrebuilt)):
             result = (self._pin_ahead.give(seq, data), where, snap)
         self._task_info[seq] += (result,)
+        if not self._in_order:
+            self._ready.append(seq)
 
-    def _pinned_result(self, result, worker_idx, seq):
-        """pin_memory, in order: batch `seq`'s result, pinned, before anything of it
-        is counted. A Ctrl-C or a timeout while it is being pinned puts the batch
-        back as not yet handed out (a state saved then, as the workers stop, still
-        has it to come; after a timeout, the next next() waits for it again)."""
+    def _pinned_result(self, result, worker_idx, seq, ahead):
+        """pin_memory: batch `seq`'s result, pinned, before anything of it is
+        counted. A Ctrl-C or a timeout while it is being pinned puts the batch back
+        as not yet handed out (a state saved then, as the workers stop, still has it
+        to come; after a timeout, the next next() gets it)."""
         data, where, snap = result
         try:
             # taking the others decodes them: a Ctrl-C may land there too
@@ -535,17 +551,25 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
                 return result
             return self._pin_ahead.take(seq, data, self._recv_timeout), where, snap
         except (KeyboardInterrupt, TimeoutError) as e:
-            # the caller took it off _task_info and moved _rcvd_idx past it
+            # the caller took it off _task_info and, unless it came out of order
+            # (`ahead`), moved _rcvd_idx past it
             self._task_info[seq] = (worker_idx, result)
-            self._rcvd_idx = seq
+            if ahead:
+                self._ready.appendleft(seq)
+            else:
+                self._rcvd_idx = seq
             if isinstance(e, KeyboardInterrupt):
                 self._interrupted()
                 raise
             raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds") from None
 
-    def _process_data(self, result, worker_idx, seq):
+    def _process_data(self, result, worker_idx, seq, ahead=False):
+        """Hand out batch `seq`, taken off _task_info (`ahead`: out of order, before
+        _rcvd_idx's batch; else _rcvd_idx is past it)."""
         if self._pin_ahead is not None:
-            result = self._pinned_result(result, worker_idx, seq)
+            result = self._pinned_result(result, worker_idx, seq, ahead)
+        if ahead:
+            self._tracker.delivered_ahead(seq)
         data, where, snap = result
         self._workers_num_tasks[worker_idx] -= 1
         self._counters.delivered(worker_idx, where)
@@ -556,11 +580,6 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             data.reraise()
         if type(data) is _Unrebuilt:
             raise data.error
-        if self._pin_memory and self._pin_ahead is None:
-            # out of order: pinned as it is handed out, its error wrapped as torch's
-            data = pinned(data, self._pin_memory_device)
-            if isinstance(data, ExceptionWrapper):
-                data.reraise()
         return data
 
     def _mark_worker_as_unavailable(self, worker_id, shutdown=False):

@@ -122,14 +122,80 @@ def test_an_epoch_broken_off_leaves_no_pinned_batch_for_the_next(pinning, persis
     assert not _pin_threads_alive()
 
 
-def test_out_of_order_delivery_pins_each_batch_when_it_is_handed_out(pinning):
-    loader = fastloader.DataLoader(cds.IndexDataset(n=24), batch_size=4, num_workers=2,
-                                   pin_memory=True, in_order=False,
-                                   multiprocessing_context="fork")
-    got = sorted(batch.tolist() for batch in loader)
-    assert got == sorted(b.tolist() for b in torch.utils.data.DataLoader(
-        cds.IndexDataset(n=24), batch_size=4))
-    assert {name for _, name in pinning.threads} == {threading.main_thread().name}
+def _run_out_of_order(DL, *, n=48, step_s=0.02, persistent=False):
+    """in_order=False: the batches of two epochs, sorted (they come as they come)."""
+    loader = DL(cds.IndexDataset(n=n), batch_size=4, num_workers=2, pin_memory=True,
+                in_order=False, persistent_workers=persistent,
+                multiprocessing_context="fork")
+    epochs = []
+    for _ in range(2):
+        seen = []
+        for batch in loader:
+            assert getattr(batch, "played_pinned", False), "a batch was not pinned"
+            seen.append(batch.tolist())
+            time.sleep(step_s)
+        epochs.append(sorted(seen))
+    return epochs
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_out_of_order_batches_published_ahead_are_pinned_on_the_pin_thread(pinning,
+                                                                            persistent):
+    ours = _run_out_of_order(fastloader.DataLoader, persistent=persistent)
+    on_thread = [first for first, name in pinning.threads if name == PIN_THREAD]
+    pinning.threads.clear()
+    theirs = _run_out_of_order(torch.utils.data.DataLoader, persistent=persistent)
+    assert ours == theirs
+    # before the fix each batch was pinned on the main thread as it was handed out
+    assert len(on_thread) >= 12, pinning.threads
+    assert not _pin_threads_alive()
+
+
+@pytest.mark.parametrize("interrupt", ["ctrl_c", "timeout"])
+def test_out_of_order_a_batch_interrupted_in_its_pinning_is_not_lost(pinning, monkeypatch,
+                                                                      interrupt):
+    """in_order=False: a Ctrl-C or a timeout while the loop waits for the pin thread
+    puts that batch back; after a timeout the loop goes on and gets it, after a
+    Ctrl-C a saved state resumes it. Every batch comes exactly once."""
+    gate = _gated_pinning(pinning, monkeypatch, 12)   # batch 3: stuck on the pin thread
+
+    def make(seed):
+        # batch 2 comes late, so batch 3 is handed out before it (out of order)
+        return fastloader.DataLoader(cds.IndexDataset(n=48, delays={8: 1.0}), batch_size=4,
+                                     num_workers=2,
+                                     pin_memory=True, in_order=False,
+                                     timeout=2 if interrupt == "timeout" else 0,
+                                     multiprocessing_context="fork",
+                                     generator=torch.Generator().manual_seed(seed))
+
+    loader = make(7)
+    it = iter(loader)
+    head = []
+
+    def loop():
+        while True:
+            batch = next(it)
+            head.append(batch.tolist())
+            time.sleep(0.05)   # the training step: later batches are taken ahead
+
+    if interrupt == "ctrl_c":
+        with _ctrl_c_in_the_pin_wait(gate):
+            loop()
+        assert [[i, 10 * i] for i in range(8, 12)] not in head   # 3 came before 2
+        state = loader.state_dict()
+        del it, loader
+        resumed = make(999)
+        resumed.load_state_dict(state)
+        rest = [b.tolist() for b in resumed]
+    else:
+        with pytest.raises(RuntimeError, match="DataLoader timed out after 2 seconds"):
+            loop()
+        assert [[i, 10 * i] for i in range(8, 12)] not in head   # 3 came before 2
+        gate.set()
+        rest = [b.tolist() for b in it]
+    assert [[i, 10 * i] for i in range(12, 16)] not in head
+    assert sorted(head + rest) == [[[i, 10 * i] for i in range(b, b + 4)]
+                                   for b in range(0, 48, 4)]
 
 
 @pytest.mark.parametrize("dataset", ["map", "stream"])
