@@ -73,10 +73,14 @@ def _epoch(loader, weight, products, in_order):
 
 class _AtItsTurn(fastloader_iterator.PinAhead):
     """Gives nothing to the thread: the iterator pins each batch on the main thread
-    when it hands it out."""
+    when it hands it out (with no batch taken ahead either, as before pin_ahead.py)."""
 
     def give(self, seq, data):
         return data
+
+
+def _no_take_ahead(iterator):
+    return None
 
 
 LOADERS = ("torch", "fastloader", "fastloader, pinned at its turn")
@@ -91,18 +95,22 @@ def measure(dtype, batches, products, workers, repeats, in_order=True):
                "fastloader": fastloader.DataLoader(dataset, **kw),
                "fastloader, pinned at its turn": fastloader.DataLoader(dataset, **kw)}
     pin_ahead = fastloader_iterator.PinAhead
+    iterator_class = fastloader_iterator.FastMultiProcessingIter
+    take_ahead = iterator_class._take_ahead
     times = {name: [] for name in loaders}
     try:
         for repeat in range(repeats + 1):
             for name, loader in loaders.items():
                 # the class the iterator makes at each epoch's start
-                fastloader_iterator.PinAhead = (_AtItsTurn if name.endswith("turn")
-                                                else pin_ahead)
+                at_its_turn = name.endswith("turn")
+                fastloader_iterator.PinAhead = _AtItsTurn if at_its_turn else pin_ahead
+                iterator_class._take_ahead = _no_take_ahead if at_its_turn else take_ahead
                 seconds = _epoch(loader, weight, products, in_order)
                 if repeat:
                     times[name].append(seconds)
     finally:
         fastloader_iterator.PinAhead = pin_ahead
+        iterator_class._take_ahead = take_ahead
     return {name: statistics.median(t) for name, t in times.items()}
 
 

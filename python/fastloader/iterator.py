@@ -356,7 +356,14 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
                     del self._task_info[seq]
                     ahead = seq != self._rcvd_idx
                     if not ahead:
+                        # past it, and past those delivered ahead of it (the loop
+                        # below would skip them, but it does not run while batches
+                        # are ready: state_dict()'s delivered_ahead would keep
+                        # growing)
                         self._rcvd_idx += 1
+                        while (self._rcvd_idx < self._send_idx
+                               and self._rcvd_idx not in self._task_info):
+                            self._rcvd_idx += 1
                     return self._process_data(info[1], info[0], seq, ahead)
             while self._rcvd_idx < self._send_idx:
                 info = self._task_info.get(self._rcvd_idx, None)
@@ -552,12 +559,13 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             return self._pin_ahead.take(seq, data, self._recv_timeout), where, snap
         except (KeyboardInterrupt, TimeoutError) as e:
             # the caller took it off _task_info and, unless it came out of order
-            # (`ahead`), moved _rcvd_idx past it
+            # (`ahead`), moved _rcvd_idx past it; out of order it is handed out
+            # next (the in-order loop runs only once no batch is ready)
             self._task_info[seq] = (worker_idx, result)
-            if ahead:
-                self._ready.appendleft(seq)
-            else:
+            if not ahead:
                 self._rcvd_idx = seq
+            if not self._in_order:
+                self._ready.appendleft(seq)
             if isinstance(e, KeyboardInterrupt):
                 self._interrupted()
                 raise
@@ -569,7 +577,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         if self._pin_ahead is not None:
             result = self._pinned_result(result, worker_idx, seq, ahead)
         if ahead:
-            self._tracker.delivered_ahead(seq)
+            self._tracker.delivered_ahead(seq, self._rcvd_idx)
         data, where, snap = result
         self._workers_num_tasks[worker_idx] -= 1
         self._counters.delivered(worker_idx, where)

@@ -77,6 +77,7 @@ class EpochTracker:
         self.since_snap = [SeqRuns() for _ in range(num_workers)]
         self.epoch_tasks = [SeqRuns() for _ in range(num_workers)]
         self.ahead = set()   # in_order=False: delivered seqs past the next one due
+        self._prune_at = 64   # (the seqs the cursor has passed are dropped now and then)
 
     def delivered(self, worker: int, seq: int, snap) -> None:
         """Batch `seq` came from `worker`, with the snapshot taken before it (or None),
@@ -104,8 +105,14 @@ class EpochTracker:
         self.snap[worker] = self.epoch_snap[worker] = entry
         self.since_snap[worker] = SeqRuns()
 
-    def delivered_ahead(self, seq: int) -> None:
+    def delivered_ahead(self, seq: int, next_seq: int) -> None:
+        """Batch `seq` was delivered before `next_seq`, the batch due now."""
         self.ahead.add(seq)
+        if len(self.ahead) > self._prune_at:
+            # the seqs the cursor has passed tell nothing more (ahead_of() skips
+            # them); kept, an epoch out of order would hold one per batch
+            self.ahead = {s for s in self.ahead if s >= next_seq}
+            self._prune_at = max(64, 2 * len(self.ahead))
 
     def ahead_of(self, next_seq: int) -> list:
         return sorted(s for s in self.ahead if s >= next_seq)

@@ -573,6 +573,17 @@ def test_a_resumed_in_order_false_run_saves_its_batches_delivered_ahead(workers)
     assert sorted(_twice_resumed_in_order_false(8, workers, 2)) == list(range(0, 40, 4))
 
 
+def test_batches_delivered_ahead_are_forgotten_once_the_cursor_passes_them():
+    """in_order=False: the tracker kept every batch delivered ahead for the whole
+    epoch (one set entry per batch) although state_dict() lists only those past the
+    batch due."""
+    tracker = fastloader.resume.EpochTracker(2)
+    for seq in range(1, 10_001):   # each delivered just before the one due
+        tracker.delivered_ahead(seq, seq - 1)
+    assert len(tracker.ahead) <= 128
+    assert tracker.ahead_of(9_999) == [9_999, 10_000]
+
+
 def _resumed_with_a_failing_restore():
     """A fresh loader given a mid-epoch state of a dataset whose load_state_dict()
     raises."""
