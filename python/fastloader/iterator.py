@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import copy
 import functools
+import heapq
 import operator
 import pickle
 
@@ -227,12 +228,12 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         # pinned batches may answer them
         if getattr(self, "_pin_ahead", None) is not None:
             self._pin_ahead.close()
-        self._pin_ahead = (PinAhead(self._pin_memory_device, self._counters.pinned_wait,
-                                    self._in_order)
+        self._pin_ahead = (PinAhead(self._pin_memory_device, self._counters.pinned_wait)
                            if self._pin_memory else None)
-        # in_order=False with pin_memory: the batches taken ahead (kept in
-        # _task_info, given to the pin thread), to hand out in the order they came
-        self._ready = collections.deque()
+        # in_order=False with pin_memory: the numbers of the batches taken ahead
+        # (kept in _task_info, given to the pin thread), a heap: the lowest is
+        # handed out first, as the pin thread pins the lowest first
+        self._ready = []
         if not first_iter:
             # an IterDataPipe gets the epoch's new shared seed with the resume
             seed = pickle.dumps(self._shared_seed)
@@ -349,22 +350,6 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             raise RuntimeError(f"DataLoader iterator: its workers were stopped{why}; "
                                "iter(loader) starts a new epoch with new workers")
         while True:
-            while self._ready:
-                seq = self._ready.popleft()
-                info = self._task_info.get(seq, ())
-                if len(info) == 2:
-                    del self._task_info[seq]
-                    ahead = seq != self._rcvd_idx
-                    if not ahead:
-                        # past it, and past those delivered ahead of it (the loop
-                        # below would skip them, but it does not run while batches
-                        # are ready: state_dict()'s delivered_ahead would keep
-                        # growing)
-                        self._rcvd_idx += 1
-                        while (self._rcvd_idx < self._send_idx
-                               and self._rcvd_idx not in self._task_info):
-                            self._rcvd_idx += 1
-                    return self._process_data(info[1], info[0], seq, ahead)
             while self._rcvd_idx < self._send_idx:
                 info = self._task_info.get(self._rcvd_idx, None)
                 if info:
@@ -388,6 +373,16 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
                 del self._task_info[seq]
                 self._rcvd_idx += 1
                 return self._process_data(info[1], info[0], seq)
+
+            if self._ready:
+                # in_order=False, pin_memory: a batch taken ahead (the due one, if
+                # it was, went just above)
+                seq = heapq.heappop(self._ready)
+                info = self._task_info.get(seq, ())
+                if len(info) == 2:
+                    del self._task_info[seq]
+                    return self._process_data(info[1], info[0], seq, ahead=True)
+                continue   # handed out in its turn already
 
             if self._unsent_count:
                 self._send_unsent()
@@ -516,7 +511,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
 
     def _take_ahead(self):
         """pin_memory: take every batch already published, each kept for its turn
-        (out of order: to be handed out next, in the order taken), and have the pin
+        (out of order: to be handed out before any still to come), and have the pin
         thread pin them while the loop works on the batch handed out now
         (pin_ahead.py). Never sleeps: with timeout 0, recv returns what is published
         or None (a worker's death is seen by the next wait)."""
@@ -543,13 +538,14 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             result = (self._pin_ahead.give(seq, data), where, snap)
         self._task_info[seq] += (result,)
         if not self._in_order:
-            self._ready.append(seq)
+            heapq.heappush(self._ready, seq)
 
     def _pinned_result(self, result, worker_idx, seq, ahead):
         """pin_memory: batch `seq`'s result, pinned, before anything of it is
         counted. A Ctrl-C or a timeout while it is being pinned puts the batch back
         as not yet handed out (a state saved then, as the workers stop, still has it
-        to come; after a timeout, the next next() gets it)."""
+        to come; after a timeout, the next next() gets it, or, out of order, an
+        earlier batch that has come meanwhile)."""
         data, where, snap = result
         try:
             # taking the others decodes them: a Ctrl-C may land there too
@@ -559,13 +555,12 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             return self._pin_ahead.take(seq, data, self._recv_timeout), where, snap
         except (KeyboardInterrupt, TimeoutError) as e:
             # the caller took it off _task_info and, unless it came out of order
-            # (`ahead`), moved _rcvd_idx past it; out of order it is handed out
-            # next (the in-order loop runs only once no batch is ready)
+            # (`ahead`), moved _rcvd_idx past it
             self._task_info[seq] = (worker_idx, result)
-            if not ahead:
+            if ahead:
+                heapq.heappush(self._ready, seq)
+            else:
                 self._rcvd_idx = seq
-            if not self._in_order:
-                self._ready.appendleft(seq)
             if isinstance(e, KeyboardInterrupt):
                 self._interrupted()
                 raise

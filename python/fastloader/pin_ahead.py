@@ -67,13 +67,9 @@ PINNED_AHEAD = object()
 
 
 class PinAhead:
-    def __init__(self, device, on_wait, in_order=True):
+    def __init__(self, device, on_wait):
         self._device = device                  # the pin_memory device argument
         self._on_wait = on_wait                # gets the seconds each take() slept
-        # in order, the batch due first is pinned first; out of order
-        # (in_order=False) they are handed out as they come, so pinned as given
-        self._in_order = in_order
-        self._given = 0
         # read when the thread starts, mid-epoch: asking CUDA for it initialises
         # CUDA, which must not happen before this epoch's workers are forked
         self._device_index = None
@@ -83,9 +79,8 @@ class PinAhead:
         # new thread would start with OpenMP's default, not the user's setting)
         self._threads = torch.get_num_threads()
         self._cond = threading.Condition()
-        # (key, seq, data), a heap: in order, the key is the batch number, so the
-        # batch due first is pinned first (they are taken ahead in the order the
-        # workers' rings are read, not their turns'); out of order, the order given
+        # (seq, data), a heap: the batch due first is pinned first (they are taken
+        # ahead in the order the workers' rings are read, not their turns')
         self._jobs = []
         self._done = {}                        # seq -> pinned data or ExceptionWrapper
         self._closed = False
@@ -102,9 +97,7 @@ class PinAhead:
                 self._thread = threading.Thread(target=self._run, name="fastloader_pin",
                                                 daemon=True)
                 self._thread.start()
-            self._given += 1
-            key = seq if self._in_order else self._given
-            heapq.heappush(self._jobs, (key, seq, data))   # keys are unique: nothing else is compared
+            heapq.heappush(self._jobs, (seq, data))   # seqs are unique: data is never compared
             self._cond.notify_all()
         return PINNED_AHEAD
 
@@ -171,7 +164,7 @@ class PinAhead:
                     self._cond.wait()
                 if self._closed:
                     return
-                _key, seq, data = heapq.heappop(self._jobs)
+                seq, data = heapq.heappop(self._jobs)
             data = failed or pinned(data, self._device, self._device_index)
             with self._cond:
                 if not self._closed:

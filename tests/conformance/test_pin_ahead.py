@@ -441,7 +441,9 @@ def test_out_of_order_the_cursor_passes_batches_delivered_ahead(pinning):
         listed.append((len(state["delivered_ahead"]), state["next_seq"]))
         time.sleep(0.01)   # slower than the workers: batches are ready at each next()
     assert late_at is not None and late_at > 2, late_at   # batch 2 came out of order
-    after = listed[late_at + 1:]
+    # the slow worker's next task may come late too (out of order, tasks go to the
+    # worker with the fewest): a few batches on, nothing is that far behind
+    after = listed[late_at + 4:]
     assert after and max(count for count, _ in after) <= 8, listed
     assert listed[-1] == (0, 100), listed[-1]
 
@@ -462,3 +464,40 @@ def test_out_of_order_a_due_batch_comes_next_after_a_timeout_in_its_pinning(
     # torch's next() after the timeout gives the batch the thread was pinning
     assert seen == [0] and int(next(it)[0, 0]) == 4, seen
     assert sorted(seen + [4] + [int(b[0, 0]) for b in it]) == list(range(0, 24, 4))
+
+
+@pytest.mark.parametrize("resumed", [False, True])
+def test_out_of_order_the_cursor_passes_them_whichever_way_the_late_batch_comes(pinning,
+                                                                               resumed):
+    """The late batch waited for (not taken ahead), or the first after a resume whose
+    state lists batches delivered ahead: the cursor must pass the batches delivered
+    ahead then too (it stayed on the next one: 297 of 300 listed)."""
+    delays = {i: 0.005 for i in range(200)}
+    delays[2] = 0.3
+
+    def make():
+        return fastloader.DataLoader(cds.IndexDataset(n=200, delays=delays), batch_size=1,
+                                     num_workers=2, pin_memory=True, in_order=False,
+                                     multiprocessing_context="fork")
+
+    loader = make()
+    if resumed:   # saved while batch 2 is late, with batches delivered ahead of it
+        it = iter(loader)
+        head = [int(next(it)[0, 0]) for _ in range(12)]
+        state = loader.state_dict()
+        del it
+        assert 2 not in head and state["delivered_ahead"], (head, state)
+        loader = make()
+        loader.load_state_dict(state)
+    started, paused, listed = time.monotonic(), False, []
+    for batch in loader:
+        state = loader.state_dict()
+        listed.append((int(batch[0, 0]), len(state["delivered_ahead"]), state["next_seq"]))
+        if not paused and time.monotonic() - started > 0.15:
+            paused = True
+            time.sleep(0.4)    # the late batch and others are published meanwhile
+        elif paused:
+            time.sleep(0.01)   # slower than the workers from here on
+    late_at = [value for value, _, _ in listed].index(2)   # (late again when resumed)
+    assert max(count for _, count, _ in listed[late_at + 4:]) <= 8, listed
+    assert listed[-1][1:] == (0, 200), listed[-1]
