@@ -372,6 +372,11 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
                 seq = self._rcvd_idx
                 del self._task_info[seq]
                 self._rcvd_idx += 1
+                if self._ready and self._ready[0] == seq:
+                    # taken ahead, now handed out in its turn (the lowest there: the
+                    # others are past the cursor); left in, _ready would keep one
+                    # number per batch of an epoch whose loop is slower than the workers
+                    heapq.heappop(self._ready)
                 return self._process_data(info[1], info[0], seq)
 
             if self._ready:

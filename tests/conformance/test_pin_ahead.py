@@ -501,3 +501,19 @@ def test_out_of_order_the_cursor_passes_them_whichever_way_the_late_batch_comes(
     late_at = [value for value, _, _ in listed].index(2)   # (late again when resumed)
     assert max(count for _, count, _ in listed[late_at + 4:]) <= 8, listed
     assert listed[-1][1:] == (0, 200), listed[-1]
+
+
+def test_out_of_order_batches_taken_ahead_and_handed_out_in_turn_leave_no_trace(pinning):
+    """A loop slower than the workers gets nearly every batch in its turn, after it was
+    taken ahead: _ready kept each one's number to the epoch's end (709 of 750)."""
+    loader = fastloader.DataLoader(cds.IndexDataset(n=1200), batch_size=4, num_workers=2,
+                                   pin_memory=True, in_order=False,
+                                   multiprocessing_context="fork")
+    it = iter(loader)
+    held, seen = [], []
+    for batch in it:
+        seen.append(int(batch[0, 0]))
+        held.append(len(it._ready))
+        time.sleep(0.002)
+    assert sorted(seen) == list(range(0, 1200, 4))
+    assert max(held) <= 16, held
