@@ -31,13 +31,16 @@ test: install
 # and the whole conformance suite on it. The package is not built a second time: the
 # in-place _core .so that `install` built is tied to CPython 3.11's ABI and NumPy 2's C
 # API only (it never links libtorch), so a .pth file puts the same python/ directory
-# on the compat venv's path; `install` rebuilding it stays the one build.
+# on the compat venv's path; `install` rebuilding it stays the one build. .ci/run, short
+# of disk, runs `make -o install test-compat` after removing .venv: the .so is all this
+# target takes from `install`.
 CVENV := .venv-compat
 CVPY  := $(CVENV)/bin/python
 CDEPS := $(CVENV)/.deps-stamp
 $(CDEPS): requirements-compat.txt
 	test -x $(CVPY) || $(PYTHON) -m venv $(CVENV)
-	$(CVPY) -m pip install -q --disable-pip-version-check -r requirements-compat.txt
+	$(CVPY) -m pip install -q --disable-pip-version-check --no-deps -r requirements-compat.txt
+	$(CVPY) -c "import torch, torchvision"
 	$(CVPY) -c "import sysconfig; open(sysconfig.get_paths()['purelib'] \
 		+ '/fastloader-source.pth', 'w').write('$(CURDIR)/python\n')"
 	touch $@

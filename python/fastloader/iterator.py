@@ -310,6 +310,11 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
                 for active, end in zip(self._workers_status, self._ended_at)]
 
     # -- receiving -------------------------------------------------------------------
+    def _timed_out(self):
+        """The error of a wait past `timeout` (torch's text), whether for a worker's
+        result or for the pin thread."""
+        return RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
+
     def _get_data(self, prefer=0, only_prefer=False):
         """The next result of any worker, starting with worker `prefer` (the one
         whose batch is due; with `only_prefer`, only its result ends a sleep, see
@@ -320,7 +325,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             self._interrupted()
             raise
         if got is None:
-            raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
+            raise self._timed_out()
         wid, seq, kind, data, where = got
         if kind == RES_DEAD:
             message = self._pool.death_message(wid)
@@ -569,7 +574,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             if isinstance(e, KeyboardInterrupt):
                 self._interrupted()
                 raise
-            raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds") from None
+            raise self._timed_out() from None
 
     def _process_data(self, result, worker_idx, seq, ahead=False):
         """Hand out batch `seq`, taken off _task_info (`ahead`: out of order, before
