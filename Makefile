@@ -31,9 +31,10 @@ test: install
 # and the whole conformance suite on it. The package is not built a second time: the
 # in-place _core .so that `install` built is tied to CPython 3.11's ABI and NumPy 2's C
 # API only (it never links libtorch), so a .pth file puts the same python/ directory
-# on the compat venv's path; `install` rebuilding it stays the one build. .ci/run, short
-# of disk, runs `make -o install test-compat` after removing .venv: the .so is all this
-# target takes from `install`.
+# on the compat venv's path; `install` rebuilding it stays the one build. The .so is all
+# this target takes from `install`: .ci/run removes .venv first (disk) and runs
+# `make -o install test-compat`. requirements-compat.txt goes in with --no-deps, which
+# does not notice a missing dependency, so the import is checked before the stamp.
 CVENV := .venv-compat
 CVPY  := $(CVENV)/bin/python
 CDEPS := $(CVENV)/.deps-stamp
