@@ -9,6 +9,7 @@ from torch.utils.data import DataLoader as _TorchDataLoader
 
 from . import forkserver
 from . import resume as _resume
+from . import torch_sites
 from .install import FastLoaderWarning, warn_if_rebuilt_by_accelerate
 from .iterator import FastMultiProcessingIter
 from .session import session_of
@@ -84,8 +85,9 @@ class DataLoader(_TorchDataLoader[T_co]):
         if self.num_workers == 0:
             it = SingleProcessIter(self, session)
         else:
-            self.check_worker_number_rationality()
-            it = FastMultiProcessingIter(self, session)
+            # from torch's lines, so that their warnings point where torch's do
+            torch_sites.check_worker_number(self.check_worker_number_rationality)
+            it = torch_sites.new_multiprocessing_iter(FastMultiProcessingIter, self, session)
         session.started(it)
         return it
 

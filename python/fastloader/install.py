@@ -36,6 +36,7 @@ import warnings
 
 from torch.utils.data import DataLoader as _TorchDataLoader
 
+from . import torch_sites
 from .iterator import FastMultiProcessingIter
 from .sharing import DEFAULT_STRATEGY, STRATEGIES, check_strategy
 from .warn_site import stacklevel_outside
@@ -59,8 +60,10 @@ def _fast_get_iterator(self):
     """torch's _get_iterator with the multi-process branch routed to fastloader."""
     if self.num_workers == 0:
         return (_original or _TORCH_GET_ITERATOR)(self)
-    self.check_worker_number_rationality()
-    return FastMultiProcessingIter(self, strategy=_strategy)
+    # from torch's lines, so that their warnings point where torch's do
+    torch_sites.check_worker_number(self.check_worker_number_rationality)
+    return torch_sites.new_multiprocessing_iter(FastMultiProcessingIter, self,
+                                                strategy=_strategy)
 
 
 def install(sharing_strategy: str = "file_descriptor") -> None:

@@ -23,6 +23,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter, _sharding_worker_in
 from . import _core
 from . import resume as _resume
 from . import stats as _stats
+from . import torch_sites
 from .distributed import rank_info
 from .index_batches import as_list, sequential_batches
 from .metadata_warning import warn_if_heavy_metadata
@@ -84,7 +85,8 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         # torch DataLoader given this transport by install()
         session = session if session is not None else LoaderSession()
         resume_state = session.take_resume()
-        super().__init__(loader)
+        # from torch's line, so that its pin_memory warnings point where torch's do
+        torch_sites.base_iter_init(super().__init__, loader)
         self._session = session
         self._loader_generator = loader.generator
         self._prefetch_factor = loader.prefetch_factor

@@ -104,10 +104,10 @@ def _share_heavy_part(specs):
 
 def _explain_start_error(exc, method):
     """Warn as torch's DataLoader does when a worker's arguments do not pickle,
-    then re-raise the error unchanged. torch's warning points into its own
-    dataloader module (where its iterator is made), so a filter on that module
-    silences it; fastloader's points at the first frame outside fastloader:
-    torch's DataLoader.__iter__, in that module, for `iter(loader)`."""
+    then re-raise the error unchanged. torch's warning points at the line of its
+    own dataloader module where its iterator is made, so a filter on that module
+    silences it; fastloader's points at the first frame outside fastloader: for
+    `iter(loader)` that same line (torch_sites.new_multiprocessing_iter)."""
     if isinstance(exc, (TypeError, AttributeError, pickle.PicklingError)):
         warnings.warn(_PICKLE_HINT, stacklevel=stacklevel_outside("fastloader"))
     raise exc

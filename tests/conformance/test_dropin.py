@@ -1,7 +1,9 @@
 """Drop-in details that code written for torch's DataLoader relies on (issue 13):
 DataLoader[...] in annotations, iter(loader)._workers, fastloader.install() for the
 loaders frameworks build, and the copy-on-read warning for pandas / NumPy objects."""
+import gc
 import json
+import linecache
 import multiprocessing.process
 import os
 import pickle
@@ -10,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import traceback
 import typing
 import warnings
 
@@ -520,6 +523,106 @@ def test_unpicklable_worker_arguments_warn_from_torchs_module_as_torchs(ctx, ins
             fastloader.uninstall()
     else:
         got = [attempt(DataLoader, f) for f in (False, True)]
+    assert got == expected
+
+
+_TORCHS_WARNINGS_SCRIPT = """
+import os, sys, warnings
+import torch
+from torch.utils.data import DataLoader as TorchDataLoader
+import fastloader
+
+how = sys.argv[1]
+if how == "install":
+    fastloader.install()
+make = fastloader.DataLoader if how == "DataLoader" else TorchDataLoader
+# more workers than usable CPUs (torch's worker-count warning, at construction and
+# at iter()) and pin_memory without an accelerator (its pin_memory warning)
+loader = make(list(range(8)), batch_size=2, num_workers=len(os.sched_getaffinity(0)) + 1,
+              pin_memory=True, multiprocessing_context="fork")
+loader.num_workers = 1   # the iter() warning also after a change, as torch checks again
+loader.num_workers = len(os.sched_getaffinity(0)) + 1
+for _ in range(2):
+    assert [b.tolist() for b in loader] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+print("clean")
+"""
+
+
+@pytest.mark.parametrize("how", ["torch", "DataLoader", "install"])
+def test_torchs_own_warnings_obey_a_filter_on_torchs_module(how, tmp_path):
+    """torch's worker-count and pin_memory warnings count as warnings of its module
+    torch.utils.data.dataloader, and point at its lines: a project that runs with
+    every warning an error except that module's (python -W, pytest's
+    filterwarnings) runs as cleanly with fastloader. fastloader makes those calls
+    itself, and its warnings used to point into fastloader: they were errors."""
+    script = tmp_path / "loop.py"
+    script.write_text(_TORCHS_WARNINGS_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    run = subprocess.run(
+        [sys.executable, "-W", "error", "-W", "ignore::UserWarning:torch.utils.data.dataloader",
+         str(script), how], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0 and run.stdout.strip() == "clean", run.stderr[-3000:]
+
+
+def test_every_torch_site_is_at_torchs_own_call():
+    """fastloader.torch_sites found each call in torch's code (not a fallback line):
+    the source line of torch's file where each site sits makes that call. A torch
+    that moves one fails here first."""
+    from fastloader import torch_sites
+    calls = {torch_sites.check_worker_number: "self.check_worker_number_rationality()",
+             torch_sites.new_multiprocessing_iter: "_MultiProcessingDataLoaderIter(self)",
+             torch_sites.base_iter_init: "super().__init__(loader)"}
+    for site, call in calls.items():
+        code = site.__code__
+        assert code.co_filename == torch.utils.data.dataloader.__file__
+        assert site.__globals__ is vars(torch.utils.data.dataloader)
+        lines = {line for _, _, line in code.co_lines() if line is not None}
+        assert any(call in linecache.getline(code.co_filename, line) for line in lines), (
+            site, lines)
+
+
+class _RaisingBatchSampler:
+    def __len__(self):
+        return 1
+
+    def __iter__(self):
+        raise ValueError("no batches")
+
+
+@pytest.mark.parametrize("how", ["DataLoader", "install"])
+def test_a_traceback_through_torchs_lines_reads_as_torchs(how):
+    """An error raised while iter() builds the iterator: the frames of the
+    traceback in torch's dataloader.py (file, line, function, source line, carets)
+    are the ones torch's own DataLoader shows; fastloader's own frames come between
+    them."""
+    def torch_frames(make):
+        loader = make(list(range(4)), batch_sampler=_RaisingBatchSampler(), num_workers=1,
+                      multiprocessing_context="fork")
+        with pytest.raises(ValueError, match="no batches") as info:
+            iter(loader)
+        chunks = traceback.format_exception(info.value)
+        return [c for c in chunks if c.startswith(f'  File "{torch.utils.data.dataloader.__file__}"')]
+
+    # torch's iterator's __del__ fails after its __init__ raised (its own known
+    # defect); only that is let through, and only in torch's run
+    ignored, hook = [], sys.unraisablehook
+    sys.unraisablehook = ignored.append
+    try:
+        expected = torch_frames(TorchDataLoader)
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
+    assert all(type(u.exc_value) is AttributeError and "_shutdown" in str(u.exc_value)
+               for u in ignored), ignored
+    assert len(expected) >= 3, expected
+    if how == "install":
+        fastloader.install()
+        try:
+            got = torch_frames(TorchDataLoader)
+        finally:
+            fastloader.uninstall()
+    else:
+        got = torch_frames(DataLoader)
     assert got == expected
 
 
