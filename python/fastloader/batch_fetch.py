@@ -31,9 +31,24 @@ def _gatherable(t):
             and not t.is_neg())
 
 
+# torch's own, unless something replaced it before fastloader was imported
+_TORCH_GETITEM = TensorDataset.__dict__["__getitem__"]
+_GETITEM_IS_TORCHS = getattr(_TORCH_GETITEM, "__module__", None) == TensorDataset.__module__
+
+
+def _samples_are_torchs(dataset):
+    """Whether torch's fetcher would call TensorDataset's own __getitem__: not where
+    a user patched the class (an augmentation), nor where the dataset has a
+    __getitems__, which torch's fetcher calls instead."""
+    return (_GETITEM_IS_TORCHS and TensorDataset.__dict__.get("__getitem__") is _TORCH_GETITEM
+            and not getattr(dataset, "__getitems__", None))
+
+
 def _tensor_dataset_batch(dataset, indices):
     """The collated batch of an exact TensorDataset, or None for torch's path."""
     if type(indices) is not list or not indices or _core.column_kind(indices) != _COL_INT64:
+        return None
+    if not _samples_are_torchs(dataset):
         return None
     if not current_slot_map().torch_default:   # a user's function may claim rows or leaves
         return None

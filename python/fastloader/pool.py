@@ -442,6 +442,12 @@ def _exit_hook_for_this_process():
         _mp_util.Finalize(None, _shutdown_all, exitpriority=100)
 
 
+# What a worker gets at interpreter exit before it is terminated: the 5 s torch's
+# workers get to join (then SIGTERM), as the README says; its exit may be flushing
+# a dataset's files or running a worker_init_fn's finalizers.
+_EXIT_GRACE_S = 5.0
+
+
 @atexit.register
 def _shutdown_all():
     # Registered after multiprocessing's own atexit hook, so it runs before it:
@@ -450,8 +456,8 @@ def _shutdown_all():
         pools = list(_LIVE_POOLS)
     for pool in pools:
         try:
-            pool.shutdown(timeout=2.0)
+            pool.shutdown(timeout=_EXIT_GRACE_S)
         except Exception:
             pass
     # pools retired earlier (epochs that ended): their workers were told to stop
-    reaper.drain(2.0)
+    reaper.drain(_EXIT_GRACE_S)

@@ -193,14 +193,17 @@ def restore_rng(generator, state):
 
 
 def _sampler_of(loader):
-    return getattr(loader.batch_sampler, "sampler", None) or loader.sampler
+    # not `or`: bool() of a sampler calls its __len__, which an endless one may
+    # not have (it raises)
+    sampler = getattr(loader.batch_sampler, "sampler", None)
+    return sampler if sampler is not None else loader.sampler
 
 
 def fingerprint(loader) -> dict:
     """What must match between the saved run and the resumed one."""
     try:
         length = len(loader.dataset)
-    except TypeError:
+    except Exception:   # no length (TypeError), or one unknown (a stream's NotImplementedError)
         length = None
     sampler = _sampler_of(loader)
     world = getattr(sampler, "num_replicas", None)

@@ -509,6 +509,26 @@ def test_gathered_tensor_dataset_same_as_torch(drop_last):
     both(ds, seed=4, drop_last=drop_last, **WORKERS)
 
 
+def _times_ten(self, index):
+    return tuple(t[index] * 10 for t in self.tensors)
+
+
+@pytest.mark.parametrize("how", ["patched class", "__getitems__"])
+def test_a_tensor_dataset_whose_samples_are_not_torchs_is_not_gathered(how, monkeypatch):
+    """A TensorDataset whose class's __getitem__ a user replaced (an augmentation),
+    or that has a __getitems__ (torch's fetcher calls that instead): its batches are
+    what torch's fetcher makes, not a gather of the tensors (it used to be gathered
+    all the same: the augmentation was silently skipped)."""
+    ds = TensorDataset(torch.arange(12), torch.arange(12).double())
+    if how == "patched class":
+        monkeypatch.setattr(TensorDataset, "__getitem__", _times_ten)
+    else:
+        ds.__getitems__ = lambda indices: [_times_ten(ds, i) for i in indices]
+    assert _tensor_dataset_batch(ds, [1, 2]) is None
+    batches = both(ds, seed=6, **WORKERS)
+    assert sorted(int(x) for b in batches for x in b[0]) == list(range(0, 120, 10))
+
+
 def test_tensor_dataset_out_of_range_raises_torchs_error():
     ds = _tensor_dataset()
     expected, got = errors_of(ds, batch_sampler=[[0, 40]], **WORKERS)

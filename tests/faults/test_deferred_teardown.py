@@ -153,6 +153,33 @@ def test_interpreter_exit_right_after_an_epoch(subprocess_env, how):
     assert_no_shm_left(shm_before, timeout=0)
 
 
+@pytest.mark.parametrize("how", ["epoch ended", "iterator alive"])
+def test_interpreter_exit_gives_a_slow_worker_exit_its_5_seconds(subprocess_env, tmp_path, how):
+    """A worker whose exit takes 3 s (flushing a dataset's files, a finalizer):
+    at interpreter exit it gets the 5 s the README promises, as torch's workers
+    get 5 s to join, so its exit's work is done. Exit used to terminate it after
+    2 s (SIGTERM), and the work was lost."""
+    marker = tmp_path / "exited"
+    loop = "for batch in it: pass" if how == "epoch ended" else "next(it)"
+    result = run_script(f"""
+        import functools
+        from fastloader import DataLoader
+        from tests.support.reliability_datasets import SmallDataset, slow_exit_init
+        loader = DataLoader(SmallDataset(n=16), batch_size=4, num_workers=2,
+                            multiprocessing_context="fork",
+                            worker_init_fn=functools.partial(slow_exit_init, 3.0,
+                                                             marker={str(marker)!r}))
+        it = iter(loader)
+        pids = it.worker_pids
+        {loop}
+        print(" ".join(map(str, pids)), flush=True)
+    """, subprocess_env)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == "", f"output at exit:\n{result.stderr}"
+    pids = [int(p) for p in result.stdout.split()]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"exited.{p}" for p in pids)
+
+
 def test_an_error_in_the_last_batch_is_still_raised():
     """A short epoch whose last batch fails: the error is raised where torch raises
     it; dropping the iterator then tears down off the path, leaving nothing."""

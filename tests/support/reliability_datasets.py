@@ -204,14 +204,19 @@ def limit_file_size_init(worker_id):
     resource.setrlimit(resource.RLIMIT_FSIZE, (FSIZE_LIMIT, resource.RLIM_INFINITY))
 
 
-def _sleep_at_exit(seconds):
+def _sleep_at_exit(seconds, marker=None):
     time.sleep(seconds)
+    if marker is not None:   # the exit's work got done
+        with open(f"{marker}.{os.getpid()}", "w"):
+            pass
 
 
-def slow_exit_init(seconds, worker_id):
-    """worker_init_fn (bind `seconds` with functools.partial): the worker's exit
-    then takes `seconds` (a multiprocessing finalizer run as the process exits),
-    as a worker tearing down a big address space or a dataset's files does."""
+def slow_exit_init(seconds, worker_id, marker=None):
+    """worker_init_fn (bind `seconds`, and `marker` if wanted, with
+    functools.partial): the worker's exit then takes `seconds` (a multiprocessing
+    finalizer run as the process exits), as a worker tearing down a big address
+    space or flushing a dataset's files does; at its end it creates the file
+    `{marker}.{pid}`."""
     from multiprocessing import util
 
-    util.Finalize(None, _sleep_at_exit, args=(seconds,), exitpriority=0)
+    util.Finalize(None, _sleep_at_exit, args=(seconds, marker), exitpriority=0)

@@ -314,3 +314,26 @@ class KeepsLoadedStream(IterableDataset):
 
     def load_state_dict(self, state):
         self._state, self._fresh = state, False
+
+
+class UnknownLengthStream(CountingStream):
+    """A stream that cannot tell its length: __len__ raises NotImplementedError
+    (as many streaming datasets' do)."""
+
+    def __len__(self):
+        raise NotImplementedError("a stream: length unknown")
+
+
+class UnsizedSampler(torch.utils.data.Sampler):
+    """Indices 0..n-1 in a shuffled order, from a sampler with no usable __len__
+    (an endless sampler's raises; `error` is what this one's raises)."""
+
+    def __init__(self, n, error):
+        self.order = torch.randperm(n, generator=torch.Generator().manual_seed(5)).tolist()
+        self.error = error
+
+    def __iter__(self):
+        return iter(self.order)
+
+    def __len__(self):
+        raise self.error("no length")
