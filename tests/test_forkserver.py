@@ -6,6 +6,7 @@ Each case runs in a fresh interpreter: the forkserver lives as long as the
 process that started it, and this test process may already have one."""
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -95,6 +96,29 @@ def test_preload_can_be_turned_off():
     assert not out["started_early"]
     assert not out["core"], "the server preloaded fastloader although turned off"
     assert out["batches"] == 10
+
+
+@pytest.mark.parametrize("preload", ["1", "0"])
+def test_the_programs_own_forkserver_processes_take_ctrl_c_as_without_fastloader(preload):
+    """The forkserver is Python's one per process: after a loader ran through it,
+    a process the program itself starts through it takes SIGINT with Python's
+    default handler (KeyboardInterrupt), as it would without fastloader. It used to
+    inherit the SIGINT fastloader starts the server ignoring."""
+    out = _run("""
+        from tests.support.sigint_probe import report_sigint
+        ctx = multiprocessing.get_context("forkserver")
+        loader = fastloader.DataLoader(TensorLabelDataset(40), batch_size=4, num_workers=2,
+                                       multiprocessing_context=ctx)
+        n = compare(loader)
+        queue = ctx.Queue()
+        proc = ctx.Process(target=report_sigint, args=(queue,))
+        proc.start()
+        handler, outcome = queue.get(timeout=120)
+        proc.join(60)
+        print(json.dumps({"batches": n, "handler": handler, "outcome": outcome}))
+    """, {"FASTLOADER_FORKSERVER_PRELOAD": preload})
+    assert out == {"batches": 10, "handler": repr(signal.default_int_handler),
+                   "outcome": "KeyboardInterrupt"}
 
 
 @pytest.mark.parametrize("kwargs", [

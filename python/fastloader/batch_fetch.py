@@ -10,6 +10,8 @@ error, goes through torch's fetcher.
 """
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import torch
 from torch.utils.data import TensorDataset
@@ -31,9 +33,19 @@ def _gatherable(t):
             and not t.is_neg())
 
 
+def _torchs_own(fn) -> bool:
+    """Whether `fn` is torch's own code: compiled from TensorDataset's module, and
+    not a wrapper made with functools.wraps (which copies torch's __module__)."""
+    module = sys.modules.get(TensorDataset.__module__)
+    code = getattr(fn, "__code__", None)
+    return (code is not None and module is not None
+            and code.co_filename == getattr(module, "__file__", None)
+            and not hasattr(fn, "__wrapped__"))
+
+
 # torch's own, unless something replaced it before fastloader was imported
 _TORCH_GETITEM = TensorDataset.__dict__["__getitem__"]
-_GETITEM_IS_TORCHS = getattr(_TORCH_GETITEM, "__module__", None) == TensorDataset.__module__
+_GETITEM_IS_TORCHS = _torchs_own(_TORCH_GETITEM)
 
 
 def _samples_are_torchs(dataset):

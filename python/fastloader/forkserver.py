@@ -67,9 +67,26 @@ def warm_up(context, num_workers: int) -> None:
         method = resolve_start_method(context)
     except (ValueError, AttributeError):
         return   # an odd context object: leave everything to iteration time
-    if method != "forkserver" or not add_preload():
-        return
-    # SIGINT ignored while it starts, as for workers (see sigint.py):
-    # a Ctrl-C must not kill the server half-way through importing torch.
-    with children_ignore_sigint():
-        _server().ensure_running()
+    if method == "forkserver" and add_preload():
+        _start(preloading=True)
+
+
+def ensure_running() -> None:
+    """Before workers start through the forkserver: the server runs, started
+    here if it does not yet (with the preload, unless turned off), never inside
+    the block in which the workers start with SIGINT ignored, which it would
+    pass on to every process it forks."""
+    server = _server()
+    if server is not None:
+        _start(preloading=add_preload())
+
+
+def _start(preloading: bool) -> None:
+    if preloading:
+        # SIGINT ignored while it starts, as for workers (see sigint.py): a Ctrl-C
+        # must not kill the server half-way through importing torch; the preloaded
+        # worker module gives it the default handler back once imported
+        with children_ignore_sigint():
+            _server().ensure_running()
+    else:
+        _server().ensure_running()   # as Python would start it

@@ -212,7 +212,7 @@ class WorkerPool:
     def _start_all(self, context, specs, strategy, rings):
         method = context.get_start_method()
         if method == "forkserver":
-            forkserver.add_preload()   # in case the loader did not start it already
+            forkserver.ensure_running()   # in case the loader did not start it already
         if method == "fork":
             prepare_for_fork()
         if method == "fork" or len(specs) == 1:
@@ -360,9 +360,12 @@ class WorkerPool:
 
     def shutdown(self, timeout: float = 5.0):
         """Stop the workers and wait for them (failure paths: Ctrl-C, a death)."""
-        if not self._tell_workers_to_stop():
-            return
-        deadline = time.monotonic() + timeout
+        if self._tell_workers_to_stop():
+            self._wait_for_workers(time.monotonic() + timeout)
+
+    def _wait_for_workers(self, deadline: float):
+        """The rest of shutdown(), once the workers were told: join them until
+        `deadline`, then terminate (and kill) what still runs, and release."""
         for proc in self.procs:
             proc.join(max(0.0, deadline - time.monotonic()))
         for proc in self.procs:
@@ -442,10 +445,13 @@ def _exit_hook_for_this_process():
         _mp_util.Finalize(None, _shutdown_all, exitpriority=100)
 
 
-# What a worker gets at interpreter exit before it is terminated: the 5 s torch's
-# workers get to join (then SIGTERM), as the README says; its exit may be flushing
-# a dataset's files or running a worker_init_fn's finalizers.
-_EXIT_GRACE_S = 5.0
+# At interpreter exit, before a worker is terminated. One whose epoch ended (a
+# retired pool) keeps the 5 s it was given then, as torch's loop would have waited
+# for it at the epoch's end: its exit may be flushing a dataset's files. One still
+# serving a live iterator gets 2 s, shared by all such pools (torch's are
+# terminated at once, by multiprocessing's exit handler).
+_EXIT_GRACE_RETIRED_S = 5.0
+_EXIT_GRACE_LIVE_S = 2.0
 
 
 @atexit.register
@@ -454,10 +460,18 @@ def _shutdown_all():
     # our workers stop cleanly instead of being terminated with a warning.
     with _LIVE_LOCK:
         pools = list(_LIVE_POOLS)
-    for pool in pools:
+    told = []
+    for pool in pools:   # every pool's workers first, so that they stop side by side
         try:
-            pool.shutdown(timeout=_EXIT_GRACE_S)
+            if pool._tell_workers_to_stop():
+                told.append(pool)
+        except Exception:
+            pass
+    deadline = time.monotonic() + _EXIT_GRACE_LIVE_S
+    for pool in told:
+        try:
+            pool._wait_for_workers(deadline)
         except Exception:
             pass
     # pools retired earlier (epochs that ended): their workers were told to stop
-    reaper.drain(_EXIT_GRACE_S)
+    reaper.drain(_EXIT_GRACE_RETIRED_S)

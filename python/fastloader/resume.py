@@ -199,6 +199,15 @@ def _sampler_of(loader):
     return sampler if sampler is not None else loader.sampler
 
 
+def _attribute(obj, name, default):
+    """obj.name, or `default` where it has none or it raises (a property of a
+    dynamic batch sampler): torch never reads it, so it must not stop a state."""
+    try:
+        return getattr(obj, name, default)
+    except Exception:
+        return default
+
+
 def fingerprint(loader) -> dict:
     """What must match between the saved run and the resumed one."""
     try:
@@ -206,12 +215,12 @@ def fingerprint(loader) -> dict:
     except Exception:   # no length (TypeError), or one unknown (a stream's NotImplementedError)
         length = None
     sampler = _sampler_of(loader)
-    world = getattr(sampler, "num_replicas", None)
+    world = _attribute(sampler, "num_replicas", None)
     if world is None and torch.distributed.is_available() and torch.distributed.is_initialized():
         world = torch.distributed.get_world_size()
     return {
         "dataset_len": length,
-        "batch_size": getattr(loader.batch_sampler, "batch_size", loader.batch_size),
+        "batch_size": _attribute(loader.batch_sampler, "batch_size", loader.batch_size),
         "drop_last": loader.drop_last,
         "world_size": world if world is not None else 1,
         "num_workers": loader.num_workers,

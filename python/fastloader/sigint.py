@@ -4,14 +4,22 @@ A child inherits the SIGINT disposition across fork and exec; started with SIGIN
 ignored, a Ctrl-C during its start-up cannot print tracebacks from half-imported
 modules: the main process handles Ctrl-C and stops the children. SIGINT is also
 blocked here meanwhile, so a Ctrl-C meant for the main process stays pending
-instead of being dropped. Used by pool.py (workers) and forkserver.py (the server)."""
+instead of being dropped. Used by pool.py (workers) and forkserver.py (the server).
+
+Python's forkserver is one per process and also forks the program's own
+processes, each with the SIGINT handler the server had once its preloads were
+imported: restore_default_in_forkserver() gives it Python's default back there,
+so those processes see Ctrl-C as without fastloader. fastloader's own workers
+ignore SIGINT first thing (worker.worker_main); under forkserver, the server's
+children run the main module's imports before that, as torch's workers do."""
 from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import threading
 
-__all__ = ["children_ignore_sigint"]
+__all__ = ["children_ignore_sigint", "restore_default_in_forkserver"]
 
 
 def _quiet_sigint():
@@ -39,3 +47,26 @@ def children_ignore_sigint():
         yield
     finally:
         _restore_sigint(old_mask, old_handler)
+
+
+def _in_forkserver_preload() -> bool:
+    """Whether this runs inside Python's forkserver main(), preloading modules."""
+    forkserver = sys.modules.get("multiprocessing.forkserver")
+    main_code = getattr(getattr(forkserver, "main", None), "__code__", None)
+    frame = sys._getframe(1) if main_code is not None else None
+    while frame is not None:
+        if frame.f_code is main_code:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def restore_default_in_forkserver() -> None:
+    """Called as fastloader's worker module finishes importing: in a forkserver
+    that fastloader started with SIGINT ignored (so that a Ctrl-C could not kill it
+    half-way through importing torch), put Python's default handler back before
+    the server's main() saves it for every child it forks."""
+    if (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+            and _in_forkserver_preload()):
+        signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -8,6 +8,8 @@ import numbers
 import warnings
 
 import numpy as np
+import functools
+
 import pytest
 import torch
 import torch.utils.data
@@ -527,6 +529,16 @@ def test_a_tensor_dataset_whose_samples_are_not_torchs_is_not_gathered(how, monk
     assert _tensor_dataset_batch(ds, [1, 2]) is None
     batches = both(ds, seed=6, **WORKERS)
     assert sorted(int(x) for b in batches for x in b[0]) == list(range(0, 120, 10))
+
+
+def test_only_torchs_own_tensor_dataset_getitem_counts_as_torchs():
+    """A replacement made with functools.wraps carries torch's __module__ and name:
+    patched before fastloader's import, it used to pass for torch's own."""
+    from fastloader.batch_fetch import _torchs_own
+    torchs = TensorDataset.__dict__["__getitem__"]
+    assert _torchs_own(torchs)
+    assert not _torchs_own(functools.wraps(torchs)(_times_ten))
+    assert not _torchs_own(_times_ten)
 
 
 def test_tensor_dataset_out_of_range_raises_torchs_error():

@@ -293,6 +293,25 @@ def test_state_dict_and_resume_where_a_length_is_unknown(unknown, workers):
     assert_same_batch_lists(full[4:], tail, "resumed after 4")
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_state_dict_where_a_samplers_attribute_raises(workers):
+    """A dynamic batch sampler whose batch_size property raises, a sampler whose
+    num_replicas raises: torch never reads them, so state_dict() must not raise
+    either, and the resume continues the epoch."""
+    def loader():
+        return make(list(range(20)), batch_sampler=rd.DynamicBatchSampler(), num_workers=workers)
+    (full,) = epochs(loader(), 1)
+    first = loader()
+    it = iter(first)
+    head = [clone_batch(next(it)) for _ in range(2)]
+    state = first.state_dict()
+    del it, first
+    second = loader()
+    second.load_state_dict(state)
+    assert_same_batch_lists(full[:2], head, "before the stop")
+    assert_same_batch_lists(full[2:], [clone_batch(b) for b in second], "resumed after 2")
+
+
 @pytest.mark.parametrize("k", [0, 4])
 def test_single_process_resume(k):
     ds = rd.RandomAugmented(30)

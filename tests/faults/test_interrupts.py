@@ -122,7 +122,7 @@ _CTRL_C_SCRIPT = """
 """
 
 
-@pytest.mark.parametrize("ctx", CONTEXTS)
+@pytest.mark.parametrize("ctx", CONTEXTS + ("forkserver",))
 def test_ctrl_c_while_blocked_raises_within_1s(ctx, subprocess_env):
     """SIGINT to the process group (what a terminal's Ctrl-C does) while the main
     process is blocked in next(): KeyboardInterrupt within 1 s, workers shut down,

@@ -337,3 +337,27 @@ class UnsizedSampler(torch.utils.data.Sampler):
 
     def __len__(self):
         raise self.error("no length")
+
+
+class _RaisingReplicas(torch.utils.data.SequentialSampler):
+    @property
+    def num_replicas(self):
+        raise RuntimeError("no process group")
+
+
+class DynamicBatchSampler(torch.utils.data.Sampler):
+    """Batches of varying size over 0..19 (no fixed batch size: reading it raises),
+    whose sampler's num_replicas raises too."""
+
+    def __init__(self):
+        self.sampler = _RaisingReplicas(range(20))
+
+    @property
+    def batch_size(self):
+        raise NotImplementedError("batches of varying size")
+
+    def __iter__(self):
+        return iter([[0, 1, 2], [3, 4], [5, 6, 7, 8], [9], [10, 11, 12, 13, 14], [15, 16, 17, 18, 19]])
+
+    def __len__(self):
+        return 6
