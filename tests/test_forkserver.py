@@ -48,12 +48,19 @@ def compare(loader):
 """
 
 
-def _run(body, env_extra=None):
+def _ignore_sigint():
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _run(body, env_extra=None, sigint_ignored=False):
+    """`body` in a fresh interpreter (started with SIGINT ignored, as a background
+    job is, if `sigint_ignored`); returns the JSON its last line prints."""
     env = dict(os.environ, **(env_extra or {}))
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     code = _PRELUDE + "\nif __name__ == '__main__':\n" + textwrap.indent(textwrap.dedent(body), "    ")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=240)
+                          text=True, timeout=240,
+                          preexec_fn=_ignore_sigint if sigint_ignored else None)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -119,6 +126,50 @@ def test_the_programs_own_forkserver_processes_take_ctrl_c_as_without_fastloader
     """, {"FASTLOADER_FORKSERVER_PRELOAD": preload})
     assert out == {"batches": 10, "handler": repr(signal.default_int_handler),
                    "outcome": "KeyboardInterrupt"}
+
+
+_PROBE = """
+    from tests.support import sigint_probe
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["json"])   # the program's own preload list
+    loader = fastloader.DataLoader(TensorLabelDataset(40), batch_size=4, num_workers=2,
+                                   multiprocessing_context=ctx)
+    preload = list(fs._server()._preload_modules)   # what the server started with
+    n = compare(loader)
+    queue = ctx.Queue()
+    proc = ctx.Process(target=getattr(sigint_probe, {target!r}), args=(queue,))
+    proc.start()
+    handler, outcome = queue.get(timeout=120)
+    proc.join(60)
+    print(json.dumps({{"batches": n, "handler": handler, "outcome": outcome,
+                      "preload": preload}}))
+"""
+
+
+def test_the_default_handler_goes_back_only_after_every_preload():
+    """The server gets Python's default SIGINT handler back by its last preload,
+    after the program's own and fastloader's worker module (which imports torch):
+    a Ctrl-C during any of them finds SIGINT ignored."""
+    out = _run(_PROBE.format(target="report_sigint"))
+    assert out["preload"] == ["json", "fastloader.worker", "fastloader._forkserver_sigint"]
+    assert (out["handler"], out["outcome"]) == (repr(signal.default_int_handler),
+                                                "KeyboardInterrupt")
+
+
+def test_a_program_that_ignores_sigint_keeps_its_forkserver_processes_ignoring_it():
+    """A program started with SIGINT ignored (a background job): its forkserver
+    processes ignore it too, as without fastloader; nothing is put back."""
+    out = _run(_PROBE.format(target="report_sigint"), sigint_ignored=True)
+    assert (out["handler"], out["outcome"]) == (repr(signal.SIG_IGN), "nothing")
+    assert "fastloader._forkserver_sigint" not in out["preload"]
+
+
+def test_a_forkserver_process_that_ignores_sigint_keeps_ignoring_it_after_importing_fastloader():
+    """Importing fastloader in a forkserver child changes nothing of its SIGINT
+    (here the server does not preload fastloader, so the child imports it)."""
+    out = _run(_PROBE.format(target="ignore_then_import_fastloader"),
+               {"FASTLOADER_FORKSERVER_PRELOAD": "0"})
+    assert (out["handler"], out["outcome"]) == (repr(signal.SIG_IGN), "nothing")
 
 
 @pytest.mark.parametrize("kwargs", [

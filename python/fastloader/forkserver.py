@@ -18,12 +18,14 @@ and ``FASTLOADER_FORKSERVER_PRELOAD=0`` turns the whole thing off.
 from __future__ import annotations
 
 import os
+import signal
 from multiprocessing import forkserver as _mp_forkserver
 
 from .sharing import resolve_start_method
 from .sigint import children_ignore_sigint
 
 PRELOAD_MODULE = "fastloader.worker"
+SIGINT_MODULE = "fastloader._forkserver_sigint"   # always the last preload
 _ENV = "FASTLOADER_FORKSERVER_PRELOAD"
 
 
@@ -82,11 +84,20 @@ def ensure_running() -> None:
 
 
 def _start(preloading: bool) -> None:
+    server = _server()
+    # Python's default SIGINT handler goes back into the server once its preloads
+    # are imported (for the program's own forkserver processes, see sigint.py),
+    # by a last preload: only where we start it ignoring SIGINT and the program
+    # itself does not ignore it (a background job's children ignore it as ever)
+    restore = preloading and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
+    modules = [m for m in (getattr(server, "_preload_modules", None) or [])
+               if m != SIGINT_MODULE]
+    if hasattr(server, "_preload_modules"):
+        server.set_forkserver_preload(modules + [SIGINT_MODULE] if restore else modules)
     if preloading:
         # SIGINT ignored while it starts, as for workers (see sigint.py): a Ctrl-C
-        # must not kill the server half-way through importing torch; the preloaded
-        # worker module gives it the default handler back once imported
+        # must not kill the server half-way through importing torch
         with children_ignore_sigint():
-            _server().ensure_running()
+            server.ensure_running()
     else:
-        _server().ensure_running()   # as Python would start it
+        server.ensure_running()   # as Python would start it

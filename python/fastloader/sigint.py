@@ -8,10 +8,11 @@ instead of being dropped. Used by pool.py (workers) and forkserver.py (the serve
 
 Python's forkserver is one per process and also forks the program's own
 processes, each with the SIGINT handler the server had once its preloads were
-imported: restore_default_in_forkserver() gives it Python's default back there,
-so those processes see Ctrl-C as without fastloader. fastloader's own workers
-ignore SIGINT first thing (worker.worker_main); under forkserver, the server's
-children run the main module's imports before that, as torch's workers do."""
+imported: restore_default_in_forkserver(), run by the last of them
+(_forkserver_sigint.py), gives it Python's default back there, so those processes
+see Ctrl-C as without fastloader. fastloader's own workers ignore SIGINT first
+thing (worker.worker_main); under forkserver, the server's children run the main
+module's imports before that, as torch's workers do."""
 from __future__ import annotations
 
 import contextlib
@@ -50,22 +51,27 @@ def children_ignore_sigint():
 
 
 def _in_forkserver_preload() -> bool:
-    """Whether this runs inside Python's forkserver main(), preloading modules."""
+    """Whether this runs inside Python's forkserver main(), preloading modules (not
+    in a child it forked, whose stack also starts in main(), then _serve_one())."""
     forkserver = sys.modules.get("multiprocessing.forkserver")
-    main_code = getattr(getattr(forkserver, "main", None), "__code__", None)
-    frame = sys._getframe(1) if main_code is not None else None
+    codes = {name: getattr(getattr(forkserver, name, None), "__code__", None)
+             for name in ("main", "_serve_one")}
+    if codes["main"] is None:
+        return False
+    in_main, frame = False, sys._getframe(1)
     while frame is not None:
-        if frame.f_code is main_code:
-            return True
+        if frame.f_code is codes["_serve_one"]:
+            return False
+        in_main = in_main or frame.f_code is codes["main"]
         frame = frame.f_back
-    return False
+    return in_main
 
 
 def restore_default_in_forkserver() -> None:
-    """Called as fastloader's worker module finishes importing: in a forkserver
-    that fastloader started with SIGINT ignored (so that a Ctrl-C could not kill it
-    half-way through importing torch), put Python's default handler back before
-    the server's main() saves it for every child it forks."""
+    """In a forkserver that fastloader started with SIGINT ignored (so that a
+    Ctrl-C could not kill it half-way through importing torch), put Python's
+    default handler back before the server's main() saves it for every child it
+    forks. Run by the server's last preload (_forkserver_sigint.py)."""
     if (threading.current_thread() is threading.main_thread()
             and signal.getsignal(signal.SIGINT) == signal.SIG_IGN
             and _in_forkserver_preload()):

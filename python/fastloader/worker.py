@@ -24,7 +24,6 @@ from .protocol import (
     TASK_RESUME, TASK_SHUTDOWN, Replay, Restore, decode_control,
 )
 from .seeding import seed_worker
-from .sigint import restore_default_in_forkserver
 
 
 _RANK_TEXT = ""   # set from the spec: " on rank R of W" in a distributed job
@@ -383,8 +382,3 @@ def _serve(spec, chan, current):
     loop = _Loop(spec, chan, current)
     loop.start(seed)
     loop.run()
-
-
-# Imported as the forkserver's preload (forkserver.py): the server's children, the
-# program's own among them, must not inherit the SIGINT it started ignoring.
-restore_default_in_forkserver()

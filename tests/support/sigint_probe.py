@@ -15,3 +15,11 @@ def report_sigint(queue):
     except KeyboardInterrupt:
         outcome = "KeyboardInterrupt"
     queue.put((handler, outcome))
+
+
+def ignore_then_import_fastloader(queue):
+    """A process that ignores SIGINT on purpose, then imports fastloader: put
+    (the SIGINT handler's repr, what a SIGINT to this process did)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    import fastloader  # noqa: F401
+    report_sigint(queue)
