@@ -113,9 +113,10 @@ class DataLoader(_TorchDataLoader[T_co]):
 
     def load_state_dict(self, state: dict) -> None:
         """Make the next ``iter(loader)`` continue from ``state``. Raises
-        ValueError if the state belongs to a different dataset length, batch
-        size or world size, or (mid-epoch, for an IterableDataset, whose replicas
-        are split by worker) number of workers. A map-style epoch resumed with another
+        ValueError if a state saved mid-epoch belongs to a different dataset
+        length, batch size, drop_last or world size, or (for an IterableDataset,
+        whose replicas are split by worker) number of workers; a state outside an
+        epoch loads with any of them. A map-style epoch resumed with another
         number of workers skips the batches already yielded, with fresh worker
         RNGs (FastLoaderWarning)."""
         if _resume.validate(self, state) and not state.get("fresh") \

@@ -292,7 +292,11 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         return {
             "version": _resume.VERSION,
             "epoch": self._epoch,
-            "epoch_done": self._epoch_done,
+            # every batch yielded and none in flight: the sampler has ended too
+            # (each batch taken asks it for the next), so this is the epoch's end
+            "epoch_done": self._epoch_done or (
+                self._send_idx <= self._rcvd_idx and _resume.yielded_every_batch(
+                    self._dataset_kind, self._index_sampler, self._rcvd_idx)),
             "base_seed": self._base_seed,
             "sampler_rng": self._sampler_rng,
             "next_seq": self._rcvd_idx,

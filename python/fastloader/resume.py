@@ -23,7 +23,7 @@ import random
 
 import numpy as np
 import torch
-from torch.utils.data import IterableDataset
+from torch.utils.data import IterableDataset, _DatasetKind
 
 from . import _core
 from .protocol import Replay, Restore
@@ -239,14 +239,16 @@ def validate(loader, state) -> bool:
     names = {"dataset_len": "dataset length", "batch_size": "batch size",
              "drop_last": "drop_last", "world_size": "world size",
              "num_workers": "num_workers"}
+    if state.get("fresh") or state.get("epoch_done"):
+        # outside an epoch (before the first, between two) nothing is continued:
+        # the next epoch starts from the saved RNG with this loader's settings, so
+        # any of them may differ (as torchdata's StatefulDataLoader allows)
+        return False
     other_workers = False
     for key, label in names.items():
         if saved.get(key) != now.get(key):
-            # a map-style epoch's batches do not depend on the workers, nor does
-            # any state outside an epoch (before the first, or between two)
-            if key == "num_workers" and (
-                    not isinstance(loader.dataset, IterableDataset)
-                    or state.get("fresh") or state.get("epoch_done")):
+            # a map-style epoch's batches do not depend on the workers
+            if key == "num_workers" and not isinstance(loader.dataset, IterableDataset):
                 other_workers = True
                 continue
             raise ValueError(
@@ -254,6 +256,21 @@ def validate(loader, state) -> bool:
                 f"{saved.get(key)!r} but this loader has {label} {now.get(key)!r}; "
                 "resuming would silently yield different batches")
     return other_workers
+
+
+def yielded_every_batch(dataset_kind, index_sampler, next_seq: int) -> bool:
+    """Whether a map-style epoch has yielded all its batches though its iterator has
+    not raised StopIteration yet (a loop that counts its steps, Lightning stopping
+    at `max_steps`). Its state is the epoch's end: resumed, the next iter() starts
+    the next epoch, as torchdata's StatefulDataLoader does, not an empty one that
+    would shift the caller's count of epochs. (An IterableDataset's length is only
+    a hint, and an endless sampler has none: those epochs end when they end.)"""
+    if dataset_kind != _DatasetKind.Map or next_seq <= 0:
+        return False
+    try:
+        return next_seq >= len(index_sampler)
+    except Exception:   # no length, or one unknown
+        return False
 
 
 def next_seq(state: dict) -> int:

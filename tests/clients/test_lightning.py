@@ -56,3 +56,27 @@ def test_a_mid_epoch_checkpoint_loads_with_the_defaults_and_resumes(out_dir, res
     assert got["resumed_steps"][0] == got["full_steps"][3]
     if resume_workers == 2:   # the same workers: the next epoch too
         assert got["resumed_steps"][1:] == got["full_steps"][4:]
+
+
+@pytest.mark.parametrize("resume_batch_size", [4, 8])
+def test_a_max_steps_checkpoint_at_an_epochs_last_batch_resumes_the_next_epoch(
+        out_dir, resume_batch_size):
+    """With `max_steps` Lightning loads the loader's state from every checkpoint.
+    One taken once the epoch's last batch was trained, the loader not yet asked
+    again, used to resume an empty epoch (Lightning's epoch count one ahead of the
+    uninterrupted run's) and to refuse another batch size; it now resumes the next
+    epoch, as torch's loader does, exactly as the uninterrupted run with the same
+    batch size."""
+    ref = run_client("lightning_max_steps_client.py", "torch", out_dir, resume_batch_size)
+    got = run_client("lightning_max_steps_client.py", "fastloader", out_dir, resume_batch_size)
+    for run in (ref, got):
+        assert [(e, i) for e, i, _ in run["full_steps"]] == \
+            [(0, i) for i in range(4)] + [(1, 0), (1, 1)]
+        assert [(e, i) for e, i, _ in run["resumed_steps"]] == [(1, 0), (1, 1)]
+    assert got["full_steps"] == ref["full_steps"]
+    if resume_batch_size == 4:
+        assert got["resumed_steps"] == got["full_steps"][4:]
+    else:   # the same shuffle, in batches of 8
+        samples = [s for _, _, batch in got["resumed_steps"] for s in batch]
+        assert sorted(samples) == list(range(16))
+        assert samples[:8] == [s for _, _, batch in got["full_steps"][4:] for s in batch]

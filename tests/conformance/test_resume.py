@@ -348,6 +348,88 @@ def test_state_between_epochs_starts_the_next_epoch(persistent):
     assert_same_batch_lists(e2, again, "the epoch after a saved finished epoch")
 
 
+def _steps(loader, n):
+    """n batches taken by next(), as a loop that counts its steps takes them: the
+    iterator is not asked again, so it has not raised StopIteration."""
+    it = iter(loader)
+    return it, [clone_batch(next(it)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("workers, persistent", [(0, False), (2, False), (2, True)])
+def test_a_state_saved_once_every_batch_was_yielded_starts_the_next_epoch(workers, persistent):
+    """As torchdata's StatefulDataLoader: it used to resume an empty epoch, which
+    shifted an epoch loop's count by one. The saving run goes on unchanged."""
+    ds = rd.RandomAugmented(24)
+    kw = dict(batch_size=4, shuffle=True, num_workers=workers, persistent_workers=persistent)
+    e1, e2 = epochs(make(ds, **kw), 2)
+    loader = make(ds, **kw)
+    # without workers the samples draw from this process's RNGs, which the loader
+    # leaves alone; persistent workers' randomness starts afresh (see the README)
+    exact = workers > 0 and not persistent
+
+    def same(expected, got, what):
+        if exact:
+            assert_same_batch_lists(expected, got, what)
+        else:
+            assert [b["i"].tolist() for b in got] == [b["i"].tolist() for b in expected], what
+
+    it, head = _steps(loader, len(loader))
+    same(e1, head, "the first epoch")
+    state = loader.state_dict()
+    assert state["epoch_done"]
+    with pytest.raises(StopIteration):
+        next(it)
+    del it
+    same(e2, epochs(loader, 1)[0], "the saving run's next epoch")
+    other = make(ds, seed=5, **kw)
+    other.load_state_dict(state)
+    same(e2, epochs(other, 1)[0], "the epoch after the saved one")
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("when", ["fresh", "every batch yielded", "between epochs"])
+@pytest.mark.parametrize("change", [dict(batch_size=5), dict(drop_last=True),
+                                    dict(dataset=rd.RandomAugmented(30))])
+def test_a_state_outside_an_epoch_loads_with_other_settings(change, when, workers):
+    """Nothing of an epoch is continued there: the next one starts from the saved
+    generator with the new settings (a mid-epoch state raises, see below)."""
+    kw = dict(dataset=rd.RandomAugmented(24), batch_size=4, shuffle=True, num_workers=workers)
+    loader = make(**kw)
+    if when == "every batch yielded":
+        it, _ = _steps(loader, len(loader))
+    elif when == "between epochs":
+        epochs(loader, 1)
+    state = loader.state_dict()
+    reference = make(**kw)   # where the saving run's generator is at that point
+    epochs(reference, 1)
+    kw.update(change)
+    # a fresh state has nothing to restore: the loader keeps its own generator
+    expected = make(seed=5, **kw)
+    if when != "fresh":
+        expected.generator.set_state(reference.generator.get_state())
+    resumed = make(seed=5, **kw)
+    resumed.load_state_dict(state)
+    assert [b["i"].tolist() for b in resumed] == [b["i"].tolist() for b in expected]
+
+
+def test_a_sampler_longer_than_its_length_is_not_at_its_end():
+    """state_dict() asks the sampler whether it ended; an index it still gives is
+    the next batch's, in the saving run and in the resumed one."""
+    ds = rd.RandomAugmented(12)
+    kw = dict(batch_size=2, num_workers=0)
+    full = [b["i"].tolist() for b in make(ds, sampler=rd.LongerThanItsLength(ds), **kw)]
+    assert len(full) == 6
+    loader = make(ds, sampler=rd.LongerThanItsLength(ds), **kw)
+    it, head = _steps(loader, len(loader))
+    state = loader.state_dict()
+    assert not state["epoch_done"]
+    tail = [b["i"].tolist() for b in it]
+    assert [b["i"].tolist() for b in head] + tail == full
+    other = make(ds, sampler=rd.LongerThanItsLength(ds), **kw)
+    other.load_state_dict(state)
+    assert [b["i"].tolist() for b in other] == full[len(head):]
+
+
 @pytest.mark.parametrize("change,match", [
     (dict(dataset=rd.RandomAugmented(61)), "dataset length"),
     (dict(batch_size=5), "batch size"),

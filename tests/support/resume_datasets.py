@@ -361,3 +361,15 @@ class DynamicBatchSampler(torch.utils.data.Sampler):
 
     def __len__(self):
         return 6
+
+
+class LongerThanItsLength(torch.utils.data.SequentialSampler):
+    """A sampler that yields `extra` indices more than its `__len__` says: an epoch
+    whose batches up to its length were yielded has not ended."""
+
+    def __init__(self, data_source, extra=2):
+        super().__init__(data_source)
+        self.extra = extra
+
+    def __len__(self):
+        return super().__len__() - self.extra
