@@ -119,6 +119,8 @@ class DataLoader(_TorchDataLoader[T_co]):
         epoch loads with any of them. A map-style epoch resumed with another
         number of workers skips the batches already yielded, with fresh worker
         RNGs (FastLoaderWarning)."""
+        if isinstance(state, dict):
+            state = _resume.as_epoch_end(self, state)
         if _resume.validate(self, state) and not state.get("fresh") \
                 and not state.get("epoch_done"):
             warnings.warn(

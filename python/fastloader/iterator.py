@@ -292,8 +292,9 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         return {
             "version": _resume.VERSION,
             "epoch": self._epoch,
-            # every batch yielded and none in flight: the sampler has ended too
-            # (each batch taken asks it for the next), so this is the epoch's end
+            # every batch yielded and none in flight: each batch taken asked the
+            # sampler for another, so it has ended, and the generator is where the
+            # epoch leaves it: this is the epoch's end (see resume.as_epoch_end)
             "epoch_done": self._epoch_done or (
                 self._send_idx <= self._rcvd_idx and _resume.yielded_every_batch(
                     self._dataset_kind, self._index_sampler, self._rcvd_idx)),

@@ -259,18 +259,46 @@ def validate(loader, state) -> bool:
 
 
 def yielded_every_batch(dataset_kind, index_sampler, next_seq: int) -> bool:
-    """Whether a map-style epoch has yielded all its batches though its iterator has
-    not raised StopIteration yet (a loop that counts its steps, Lightning stopping
-    at `max_steps`). Its state is the epoch's end: resumed, the next iter() starts
-    the next epoch, as torchdata's StatefulDataLoader does, not an empty one that
-    would shift the caller's count of epochs. (An IterableDataset's length is only
-    a hint, and an endless sampler has none: those epochs end when they end.)"""
+    """Whether a map-style epoch has yielded as many batches as its length though
+    its iterator has not raised StopIteration yet (a loop that counts its steps,
+    Lightning stopping at `max_steps`); see as_epoch_end. (An IterableDataset's
+    length is only a hint, and an endless sampler has none.)"""
     if dataset_kind != _DatasetKind.Map or next_seq <= 0:
         return False
     try:
         return next_seq >= len(index_sampler)
     except Exception:   # no length, or one unknown
         return False
+
+
+def as_epoch_end(loader, state: dict) -> dict:
+    """A state saved without workers once its epoch yielded all its batches, as
+    the state of that epoch's end: resumed, the next iter() starts the next epoch,
+    as torchdata's StatefulDataLoader does, not an empty one that would put the
+    caller's count of epochs one ahead. (With workers, each batch taken asked the
+    sampler for the next, so it had ended and the state says so already.)
+
+    Here the sampler was not asked again (state_dict() must change nothing in the
+    saving run), and a RandomSampler draws from the generator once more on its way
+    out, which the next epoch's shuffle depends on: the generator is taken where
+    the sampler leaves it by running this loader's sampler from the epoch's start
+    (with other settings than the saving run's, that is this loader's sampler). A
+    sampler that yields more than its length had not ended: the state stays a
+    mid-epoch one."""
+    if state.get("epoch_done") or not state.get("yielded_all"):
+        return state
+    before = capture_rng(loader.generator)
+    restore_rng(loader.generator, state["sampler_rng"])
+    sampler = loader._index_sampler
+    drawn = sum(1 for _ in sampler)
+    try:
+        ended = drawn <= len(sampler)
+    except Exception:
+        ended = False
+    if not ended:
+        restore_rng(loader.generator, before)
+        return state
+    return dict(state, epoch_done=True, rng_now=capture_rng(loader.generator))
 
 
 def next_seq(state: dict) -> int:

@@ -30,7 +30,6 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         self._loader_generator = loader.generator
         self._epoch_done = False
         self._ahead = set()
-        self._peeked = None   # an index the sampler gave to state_dict() (_sampler_ended)
         # before torch's fetcher calls iter(dataset): a stateful iterable goes back
         # where it was (an iterator built before would not see it)
         self._replay = self._put_iterable_back(loader.dataset, self._resume_state)
@@ -62,7 +61,6 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         self._epoch += 1
         self._epoch_done = False
         self._draws = 0
-        self._peeked = None
         state, self._resume_state = self._resume_state, None
         if state is not None and state.get("epoch_done") and state.get("persistent"):
             # the saving run's persistent workers drew no seed for this epoch, and
@@ -93,29 +91,9 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
             self._sampler_rng = _resume.capture_rng(self._loader_generator)
 
     def _next_index(self):
-        if self._peeked is not None:
-            (index,), self._peeked = self._peeked, None
-        else:
-            index = super()._next_index()
+        index = super()._next_index()
         self._draws += 1
         return index
-
-    def _sampler_ended(self) -> bool:
-        """Whether every batch of a map-style epoch was yielded and its sampler has
-        ended, though StopIteration was not raised yet (a loop that counts its
-        steps). The sampler is asked for one more index, as the next next() would
-        ask it: a RandomSampler draws from the generator once more on its way
-        out, and the state must hold the generator as the epoch leaves it. An
-        index it still gives (a sampler longer than its length) is kept for the
-        next batch."""
-        if self._peeked is not None or not _resume.yielded_every_batch(
-                self._dataset_kind, self._index_sampler, self._draws):
-            return False
-        try:
-            self._peeked = (super()._next_index(),)
-        except StopIteration:
-            return True
-        return False
 
     def _next_index_skipping(self):
         while True:
@@ -150,7 +128,10 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
 
     def state_dict(self):
         state = {"version": _resume.VERSION, "epoch": self._epoch,
-                 "epoch_done": self._epoch_done or self._sampler_ended(),
+                 "epoch_done": self._epoch_done,
+                 # the sampler is not asked for its end here (see resume.as_epoch_end)
+                 "yielded_all": _resume.yielded_every_batch(
+                     self._dataset_kind, self._index_sampler, self._draws),
                  "base_seed": self._base_seed,
                  "sampler_rng": self._sampler_rng, "yielded": self._num_yielded,
                  "next_seq": self._draws, "workers": []}

@@ -376,7 +376,9 @@ def test_a_state_saved_once_every_batch_was_yielded_starts_the_next_epoch(worker
     it, head = _steps(loader, len(loader))
     same(e1, head, "the first epoch")
     state = loader.state_dict()
-    assert state["epoch_done"]
+    # with workers the sampler has ended (asked for each next task); without, it
+    # was not asked again, and load_state_dict() finds its end (as_epoch_end)
+    assert state["epoch_done"] if workers else state["yielded_all"]
     with pytest.raises(StopIteration):
         next(it)
     del it
@@ -405,6 +407,11 @@ def test_a_state_outside_an_epoch_loads_with_other_settings(change, when, worker
     kw.update(change)
     # a fresh state has nothing to restore: the loader keeps its own generator
     expected = make(seed=5, **kw)
+    if when == "every batch yielded" and not workers and "dataset" in change:
+        # the sampler's end is found with this loader's sampler (as_epoch_end)
+        reference = make(**kw)
+        reference.generator.set_state(state["sampler_rng"])
+        list(reference.sampler)
     if when != "fresh":
         expected.generator.set_state(reference.generator.get_state())
     resumed = make(seed=5, **kw)
@@ -412,11 +419,31 @@ def test_a_state_outside_an_epoch_loads_with_other_settings(change, when, worker
     assert [b["i"].tolist() for b in resumed] == [b["i"].tolist() for b in expected]
 
 
-def test_a_sampler_longer_than_its_length_is_not_at_its_end():
-    """state_dict() asks the sampler whether it ended; an index it still gives is
-    the next batch's, in the saving run and in the resumed one."""
+@pytest.mark.parametrize("workers", [0, 2])
+def test_state_dict_after_every_batch_changes_nothing_in_the_saving_run(workers):
+    """A loop that counts its steps leaves the iterator without asking it again:
+    its sampler has not ended (a RandomSampler's last draw from the generator is
+    still to come), and the next epoch's shuffle depends on that. Asking for the
+    state there must not end the sampler."""
+    ds = rd.RandomAugmented(24)
+    kw = dict(batch_size=4, shuffle=True, num_workers=workers)
+    nexts = []
+    for save in (False, True):
+        loader = make(ds, **kw)
+        it, _ = _steps(loader, len(loader))
+        if save:
+            loader.state_dict()
+        del it
+        nexts.append([b["i"].tolist() for b in loader])
+    assert nexts[0] == nexts[1]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_sampler_longer_than_its_length_is_not_at_its_end(workers):
+    """Its batches past its length are the rest of the epoch, in the saving run and
+    in the resumed one."""
     ds = rd.RandomAugmented(12)
-    kw = dict(batch_size=2, num_workers=0)
+    kw = dict(batch_size=2, num_workers=workers)
     full = [b["i"].tolist() for b in make(ds, sampler=rd.LongerThanItsLength(ds), **kw)]
     assert len(full) == 6
     loader = make(ds, sampler=rd.LongerThanItsLength(ds), **kw)
