@@ -169,9 +169,23 @@ static int put_u64(fl_plan *p, uint64_t v) { return put(p, &v, 8); }
 static int put_i64(fl_plan *p, int64_t v) { return put(p, &v, 8); }
 static int put_i32(fl_plan *p, int32_t v) { return put(p, &v, 4); }
 
+/* The most a batch's arrays may add up to. Each array's size was checked on its
+ * own, but arrays that use almost no memory can claim any size (a broadcast view
+ * of one byte as 2**62 of them), and a sum that wrapped past SIZE_MAX would give
+ * the batch a slot far too small for what is then copied into it. No machine has
+ * 2**60 bytes, and below it every later sum (header, slot headroom) fits too. */
+#define FL_MAX_PLAN_DATA ((size_t)1 << 60)
+
 static fl_op *
 add_op(fl_plan *p, int kind, size_t nbytes)
 {
+    if (nbytes > FL_MAX_PLAN_DATA ||
+        FL_ALIGN_UP(nbytes, FL_DATA_ALIGN) > FL_MAX_PLAN_DATA - p->data_size) {
+        PyErr_Format(PyExc_MemoryError,
+                     "fastloader: the batch is too large to send: its arrays add up to "
+                     "more than %zu bytes", FL_MAX_PLAN_DATA);
+        return NULL;
+    }
     if (p->nops == p->opcap) {
         size_t cap = p->opcap ? p->opcap * 2 : 8;
         fl_op *o = PyMem_Realloc(p->ops, cap * sizeof(fl_op));

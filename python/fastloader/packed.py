@@ -235,6 +235,24 @@ def _reserve(fd: int, size: int) -> None:
                           f"{exc.strerror} (shared memory is exhausted)") from None
 
 
+def _open_regular(path, flags):
+    """(fd, stat) of `path` opened for reading, or None if it is not a regular file.
+    O_NONBLOCK: opening a FIFO put in its place (by whoever can write where it
+    lies) would block until someone opened its other end, before any check could
+    refuse it; for a regular file the flag changes nothing, and it is cleared."""
+    fd = os.open(path, flags | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            return None
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
 def _attach(cls, handle, start, step, length):
     """Unpickle in a child process: map the parent's segment."""
     how = handle[0]
@@ -253,9 +271,12 @@ def _attach(cls, handle, start, step, length):
             flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
         else:
             path, flags = where, os.O_RDONLY | os.O_CLOEXEC
-        fd = os.open(path, flags)
+        opened = _open_regular(path, flags)
+        if opened is None:
+            raise FastLoaderError(f"fastloader: packed array {path!r} is no longer the "
+                                  "file the parent process mapped (not a regular file)")
+        fd, st = opened
         try:
-            st = os.fstat(fd)
             now = (st.st_dev, st.st_ino) if how == "shm" else \
                 (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
             if now != ident or st.st_size != size:
@@ -658,11 +679,11 @@ def _refuse_kind(path, cls, kind) -> None:
 def _load(cls, path, sharing_strategy, populate):
     _check_strategy(sharing_strategy)
     path = os.fspath(path)
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    opened = _open_regular(path, os.O_RDONLY | os.O_CLOEXEC)
+    if opened is None:
+        raise PackedFormatError(f"{path}: not a regular file")
+    fd, st = opened
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise PackedFormatError(f"{path}: not a regular file")
         if st.st_size < _core.PACKED_HEADER_SIZE:
             raise PackedFormatError(f"{path}: fastloader: packed array: truncated: "
                                     f"{st.st_size} bytes, shorter than the "

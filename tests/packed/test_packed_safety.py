@@ -207,6 +207,63 @@ def test_mapping_past_the_end_of_its_file_is_refused(tmp_path, subprocess_env):
     assert out.startswith("refused:") and "cannot map" in out, out
 
 
+# A FIFO put where a packed file lies (by whoever can write that directory, e.g. the
+# file's owner, another user, renaming it over the path): open() of a FIFO blocks
+# until its other end opens, which came before any check that refuses it.
+def test_loading_a_fifo_is_refused_not_waited_for(tmp_path, subprocess_env):
+    path = tmp_path / "names.fpk"
+    os.mkfifo(path)
+    out = run_child(r"""
+        import sys
+        from fastloader import packed
+        try:
+            packed.load(sys.argv[1])
+        except packed.PackedFormatError as exc:
+            print("refused:", exc)
+        """, subprocess_env, path, timeout=60)
+    assert "refused:" in out and "not a regular file" in out, out
+
+
+def test_workers_refuse_a_loaded_file_swapped_for_a_fifo_instead_of_hanging(
+        tmp_path, subprocess_env):
+    """file_system: spawned workers reopen a loaded file by its path; a FIFO renamed
+    over it made them block in open() for ever (the loader hung)."""
+    path = tmp_path / "names.fpk"
+    PackedStringArray(["a", "bb", "ccc", "dddd"]).save(path)
+    script = tmp_path / "swap.py"   # a file: spawned workers import its __main__
+    script.write_text(textwrap.dedent(r"""
+        import os, sys
+        import torch
+        from fastloader import DataLoader, PackedStringArray
+
+        class Lengths(torch.utils.data.Dataset):
+            def __init__(self, names):
+                self.names = names
+            def __len__(self):
+                return len(self.names)
+            def __getitem__(self, i):
+                return len(self.names[i])
+
+        if __name__ == "__main__":
+            path = sys.argv[1]
+            names = PackedStringArray.load(path, sharing_strategy="file_system")
+            os.mkfifo(path + ".fifo")
+            os.rename(path + ".fifo", path)
+            loader = DataLoader(Lengths(names), batch_size=2, num_workers=1,
+                                multiprocessing_context="spawn",
+                                sharing_strategy="file_system")
+            try:
+                list(loader)
+            except Exception as exc:
+                print("raised:", type(exc).__name__, exc)
+        """))
+    child = subprocess.run([sys.executable, str(script), str(path)], env=subprocess_env,
+                           timeout=120, capture_output=True, text=True)
+    assert "raised: WorkerError" in child.stdout, (child.stdout, child.stderr[-3000:])
+    # the worker's own error, on its stderr: why it could not start
+    assert "no longer the file the parent process mapped (not a regular file)" in child.stderr
+
+
 # ---- item 6: nothing is unpickled unless asked for by name ----------------------------------------
 
 UNPICKLED = []

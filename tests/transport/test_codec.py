@@ -392,3 +392,22 @@ def test_numpy_scalars_and_arrays_arrive_with_the_types_pickle_gives(kind):
         assert type(ours) is type(theirs)
         assert ours.dtype.num == theirs.dtype.num, (ours.dtype, theirs.dtype)
         assert np.array_equal(ours, theirs)
+
+
+def _claims(nbytes):
+    """An array that claims `nbytes` bytes and uses one (a broadcast view)."""
+    return np.broadcast_to(np.zeros(1, np.uint8), (nbytes,))
+
+
+@pytest.mark.parametrize("count, each", [(4, 2 ** 62), (5, 2 ** 62), (1, 2 ** 61)])
+def test_arrays_whose_sizes_add_up_past_any_memory_are_a_memory_error(count, each):
+    """Each size fits on its own; their sum wrapped past 2**64 (four of 2**62 sum
+    to 0), so the batch got a tiny slot and the copy wrote far past it."""
+    with pytest.raises(MemoryError, match="too large to send"):
+        _core.encode([_claims(each) for _ in range(count)])
+
+
+def test_arrays_just_under_the_limit_are_still_sized_not_refused():
+    # a real array's size is far below the limit: the check refuses nothing real
+    arrays = [np.arange(10, dtype=np.int64), np.zeros((3, 4), np.float32)]
+    _same(arrays, _core.decode(_core.encode(arrays)))

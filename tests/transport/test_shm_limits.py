@@ -416,3 +416,39 @@ def test_a_received_segment_cannot_be_shrunk_or_grown():
         pass
     del _batch, it, loader
     gc.collect()
+
+
+class _ClaimsTooMuch(torch.utils.data.Dataset):
+    """Samples 0 and 1 are real; sample 2's arrays claim 2**64 bytes together (each
+    a broadcast view of one byte), which wrapped the encoder's size to 0."""
+
+    def __len__(self):
+        return 3
+
+    def __getitem__(self, i):
+        import numpy as np
+
+        if i < 2:
+            return torch.full((1000,), 7.0 + i)
+        time.sleep(0.5)   # the consumer hands sample 0's slot back first
+        return tuple(np.broadcast_to(np.zeros(1, np.uint8), (2 ** 62,)) for _ in range(4))
+
+
+def _first(batch):
+    return batch[0]
+
+
+def test_a_batch_claiming_more_bytes_than_any_memory_is_that_batchs_error_and_spares_the_others():
+    """It was written out of its slot, over a batch the consumer still held, and the
+    worker died of SIGSEGV."""
+    loader = DataLoader(_ClaimsTooMuch(), batch_size=1, num_workers=1,
+                        multiprocessing_context="fork", collate_fn=_first)
+    it = iter(loader)
+    first = next(it)
+    del first
+    held = next(it)
+    with pytest.raises(MemoryError, match="too large to send"):
+        next(it)
+    assert torch.equal(held, torch.full((1000,), 8.0))
+    with pytest.raises(StopIteration):
+        next(it)
