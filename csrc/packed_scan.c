@@ -38,7 +38,31 @@ typedef struct {
     /* the first error: errno and the path it concerns */
     int err;
     char *err_path;
+    /* entries since signals were last checked; whether Ctrl-C stopped the scan */
+    unsigned since_check;
+    int interrupted;
 } scan_ctx;
+
+/* Entries between two looks for a pending signal: taking the GIL costs ~1 us, an
+ * entry about as much, and a tree of links can hold 2**40 paths (as for os.walk),
+ * so a scan must stop on Ctrl-C rather than run on with the GIL released. */
+#define SCAN_CHECK_EVERY 1024
+
+static int
+scan_interrupted(scan_ctx *c)
+{
+    if (++c->since_check < SCAN_CHECK_EVERY)
+        return 0;
+    c->since_check = 0;
+    /* this thread released the GIL in packed_scan(); take it back to let Python's
+     * handlers run (the KeyboardInterrupt stays set for packed_scan() to return) */
+    PyGILState_STATE g = PyGILState_Ensure();
+    int r = PyErr_CheckSignals();
+    PyGILState_Release(g);
+    if (r < 0)
+        c->interrupted = 1;
+    return r < 0;
+}
 
 static int
 grow(void **p, size_t *cap, size_t need, size_t elem)
@@ -130,6 +154,10 @@ scan_dir(scan_ctx *c, int fd)
         return scan_fail(c, errno, NULL);
     }
     for (;;) {
+        if (scan_interrupted(c)) {
+            rc = -1;
+            break;
+        }
         errno = 0;
         struct dirent *e = readdir(d);
         if (e == NULL) {
@@ -316,6 +344,8 @@ packed_scan(PyObject *Py_UNUSED(module), PyObject *args)
     }
     Py_END_ALLOW_THREADS
     w->busy = 0;
+    if (c.interrupted)
+        goto done;   /* the signal handler's exception (KeyboardInterrupt) is set */
     if (c.err != 0) {
         /* the path as the caller would spell it: directory + relative path */
         PyObject *full = c.err_path

@@ -273,6 +273,41 @@ def test_from_directory_unreadable_subdirectory_is_named(tmp_path):
         locked.chmod(0o700)
 
 
+@pytest.mark.parametrize("strategy", ["file_descriptor", "file_system"])
+def test_ctrl_c_stops_a_scan_of_an_endless_tree_of_links_and_leaves_nothing(tmp_path, strategy):
+    """40 levels of two links to the next level: 2**40 paths to one file, as
+    os.walk(followlinks=True) would walk them too. The scan ran with the GIL released
+    and never looked for signals: Ctrl-C could not stop it."""
+    for level in range(40):
+        (tmp_path / f"d{level}").mkdir()
+        for link in ("a", "b"):
+            os.symlink(tmp_path / f"d{level + 1}", tmp_path / f"d{level}" / link)
+    (tmp_path / "d40").mkdir()
+    (tmp_path / "d40" / "x.jpg").write_bytes(b"")
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import os, sys
+        from fastloader import PackedStringArray
+        print("scanning", flush=True)
+        try:
+            PackedStringArray.from_directory(sys.argv[1], suffixes=".jpg",
+                                             sharing_strategy=sys.argv[2])
+        except KeyboardInterrupt:
+            left = [n for n in os.listdir("/dev/shm")
+                    if n.startswith(f"fastloader-pack-{os.getpid()}-")]
+            print("interrupted; segments left:", left, flush=True)
+        """), str(tmp_path / "d0"), strategy], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "scanning\n"
+        time.sleep(1.0)   # well into the scan
+        child.send_signal(signal.SIGINT)
+        out, _ = child.communicate(timeout=60)
+    finally:
+        child.kill()
+        child.wait()
+        child.stdout.close()
+    assert out == "interrupted; segments left: []\n"
+
+
 # ---- errors leave nothing behind ------------------------------------------------------------
 
 @pytest.mark.parametrize("strategy", ["file_descriptor", "file_system"])
