@@ -195,6 +195,15 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
 
     # -- epoch control -------------------------------------------------------------
     def _reset(self, loader, first_iter=False):
+        if not first_iter and self._shutdown:
+            # torch's own __iter__ (a torch DataLoader given this transport by
+            # install()) resets a persistent iterator whose workers were stopped
+            # (a worker's death, Ctrl-C, a framework's _shutdown_workers()): the
+            # next epoch starts new workers, as fastloader.DataLoader.__iter__
+            # does by dropping it (torch's iterator would fail on its dead ones,
+            # and this one's closed channels raised ValueError)
+            self.__init__(loader, self._session, self.sharing_strategy)
+            return
         super()._reset(loader, first_iter)
         if type(self) in (FastMultiProcessingIter, _LengthCheckedIter):   # not a user's subclass
             checks_length = (self._dataset_kind == _DatasetKind.Iterable

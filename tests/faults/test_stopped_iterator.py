@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
+import fastloader
 from fastloader import DataLoader, WorkerError
 from tests.support.fault_helpers import QUIET_WORKER_COUNT_WARNING
 from tests.support.helpers import collect, deadline
@@ -62,17 +63,35 @@ def test_after_a_workers_death_next_says_the_workers_were_stopped_then_ends(tmp_
     assert state["epoch_done"] is False and state["next_seq"] == len(got)
 
 
-def test_persistent_workers_stopped_by_a_death_are_replaced_at_the_next_epoch(tmp_path):
-    loader = DataLoader(DiesOnce(str(tmp_path / "died")), batch_size=1, num_workers=2,
-                        multiprocessing_context="fork", persistent_workers=True)
+@pytest.fixture(params=["fastloader", "install"])
+def Loader(request):
+    """fastloader.DataLoader, and torch's under install(): torch's own __iter__ then
+    resets the stopped persistent iterator (it raised "ValueError: channel is
+    closed" at every later epoch)."""
+    if request.param == "fastloader":
+        yield DataLoader
+        return
+    fastloader.install()
+    try:
+        yield torch.utils.data.DataLoader
+    finally:
+        fastloader.uninstall()
+
+
+def test_persistent_workers_stopped_by_a_death_are_replaced_at_the_next_epoch(tmp_path, Loader):
+    loader = Loader(DiesOnce(str(tmp_path / "died")), batch_size=1, num_workers=2,
+                    multiprocessing_context="fork", persistent_workers=True)
     it = iter(loader)
     first_pids = list(it.worker_pids)
     _until_error(it)
     again = iter(loader)
-    assert again is not it and not set(again.worker_pids) & set(first_pids)
+    assert not set(again.worker_pids) & set(first_pids)
     assert [int(b) for b in collect(again)] == list(range(12))
     assert [int(b) for b in collect(loader)] == list(range(12))   # and they persist
     assert loader._iterator is again
+    pids = list(again.worker_pids)
+    assert [int(b) for b in collect(loader)] == list(range(12))
+    assert list(loader._iterator.worker_pids) == pids
 
 
 class SlowFirst(Dataset):
@@ -85,14 +104,14 @@ class SlowFirst(Dataset):
         return torch.tensor([i])
 
 
-def test_persistent_workers_stopped_by_ctrl_c_are_replaced_at_the_next_epoch():
+def test_persistent_workers_stopped_by_ctrl_c_are_replaced_at_the_next_epoch(Loader):
     # as in test_interrupts: no collector run (a finalizer could take the
     # KeyboardInterrupt) and SIGINT handled even in a run started in the background
     gc.collect()
     gc.disable()
     old_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
-    loader = DataLoader(SlowFirst(), batch_size=1, num_workers=1,
-                        multiprocessing_context="fork", persistent_workers=True)
+    loader = Loader(SlowFirst(), batch_size=1, num_workers=1,
+                    multiprocessing_context="fork", persistent_workers=True)
     it = iter(loader)
     timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
     timer.start()
@@ -107,4 +126,5 @@ def test_persistent_workers_stopped_by_ctrl_c_are_replaced_at_the_next_epoch():
     with pytest.raises(RuntimeError, match="its workers were stopped after KeyboardInterrupt"):
         next(it)
     loader.dataset.slept = True   # the new workers are forked with it
+    assert [int(b) for b in collect(loader)] == list(range(6))
     assert [int(b) for b in collect(loader)] == list(range(6))
