@@ -10,17 +10,20 @@ Python's forkserver is one per process and also forks the program's own
 processes, each with the SIGINT handler the server had once its preloads were
 imported: restore_default_in_forkserver(), run by the last of them
 (_forkserver_sigint.py), gives it Python's default back there, so those processes
-see Ctrl-C as without fastloader. fastloader's own workers ignore SIGINT first
-thing (worker.worker_main); under forkserver, the server's children run the main
+see Ctrl-C as without fastloader. fastloader's own workers leave Ctrl-C to the
+main process first thing (worker.worker_main, leave_ctrl_c_to_the_main_process);
+under forkserver, the server's children run the main
 module's imports before that, as torch's workers do."""
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import threading
 
-__all__ = ["children_ignore_sigint", "restore_default_in_forkserver"]
+__all__ = ["children_ignore_sigint", "restore_default_in_forkserver",
+           "leave_ctrl_c_to_the_main_process"]
 
 
 def _quiet_sigint():
@@ -76,3 +79,26 @@ def restore_default_in_forkserver() -> None:
             and signal.getsignal(signal.SIGINT) == signal.SIG_IGN
             and _in_forkserver_preload()):
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+_worker_pid = None
+
+
+def _main_process_handles_it(signum, frame):
+    if os.getpid() != _worker_pid:
+        # a process the worker forked (the dataset's own): Python's default, as it
+        # has in a child of torch's worker
+        signal.default_int_handler(signum, frame)
+
+
+def leave_ctrl_c_to_the_main_process() -> None:
+    """In a worker: Ctrl-C goes to the whole process group, and the main process
+    handles it and stops the workers, so a worker must not raise KeyboardInterrupt
+    (a traceback per worker). A handler that does nothing, not SIG_IGN: an ignored
+    signal stays ignored across exec, so ffmpeg or a shell tool that the dataset
+    starts would ignore Ctrl-C and outlive the program, where a handler goes back
+    to the default at exec (as in a child of torch's worker, which does not
+    ignore SIGINT)."""
+    global _worker_pid
+    _worker_pid = os.getpid()
+    signal.signal(signal.SIGINT, _main_process_handles_it)

@@ -17,6 +17,7 @@ from ._codec_hooks import failed_in_collate
 from . import _core
 from . import payload as _payload
 from . import resume as _resume
+from . import sigint
 from .batch_fetch import with_batch_fetch
 from .collate import worker_collate
 from .protocol import (
@@ -141,7 +142,7 @@ def worker_main(spec, handle, fds, inherited_fds=()):
     gc.freeze()
     # Ctrl-C goes to the whole process group; the main process handles it and
     # shuts us down, so a worker must not print a KeyboardInterrupt traceback.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sigint.leave_ctrl_c_to_the_main_process()
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked for start-up
     ctl_fd, efd_main, efd_worker, sock = (f.detach() if hasattr(f, "detach") else f
                                           for f in fds)
@@ -184,8 +185,8 @@ class _Current:
 def _exit_error(worker_id, seq, index, exc):
     """The error for a worker leaving its loop by `exc`. An Exception is re-raised
     in the main process as itself. Anything else (a KeyboardInterrupt or
-    GeneratorExit raised by the dataset; SIGINT is ignored here, so it is never
-    the user's Ctrl-C) kills torch's worker, and torch's main process raises
+    GeneratorExit raised by the dataset; Ctrl-C raises nothing here, see
+    sigint.leave_ctrl_c_to_the_main_process, so it is never the user's) kills torch's worker, and torch's main process raises
     RuntimeError ("exited unexpectedly"): raising `exc` itself in the main process
     would look like Ctrl-C there, so it is a WorkerError (a RuntimeError) that
     names it, with its traceback."""

@@ -148,3 +148,17 @@ def test_ctrl_c_while_blocked_raises_within_1s(ctx, subprocess_env):
     assert proc.returncode == 0, (proc.returncode, rest, err)
     assert err == "", f"output on stderr after Ctrl-C:\n{err}"
     assert wait_until(lambda: all(is_gone(p) for p in pids), 2)
+
+
+@pytest.mark.parametrize("ctx", CONTEXTS + ("forkserver",))
+def test_programs_a_worker_starts_take_ctrl_c_as_under_torch(ctx):
+    """A worker ignored SIGINT, and an ignored signal stays ignored across exec:
+    ffmpeg or a shell tool started by the dataset ignored Ctrl-C and outlived the
+    program. Its handler does nothing now, and exec gives the program the default."""
+    import torch
+
+    got = {}
+    for name, cls in (("torch", torch.utils.data.DataLoader), ("fastloader", DataLoader)):
+        got[name] = list(cls(ds.ChildSignalState(), batch_size=None, num_workers=1,
+                             multiprocessing_context=ctx))
+    assert got["fastloader"] == got["torch"] == [{"ignored": False, "blocked": False}] * 2

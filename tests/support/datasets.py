@@ -576,3 +576,20 @@ class FdObjectsDataset(Dataset):
             w.close()
             sample.append(r)
         return tuple(sample)
+
+
+class ChildSignalState(Dataset):
+    """Sample i: whether a program the dataset starts (as it would ffmpeg or a shell
+    tool) ignores SIGINT, and whether it is blocked there, from /proc."""
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        import subprocess
+
+        out = subprocess.run(["grep", "-E", "^Sig(Blk|Ign)", "/proc/self/status"],
+                             capture_output=True, text=True, check=True).stdout
+        masks = {line.split(":")[0]: int(line.split()[1], 16) for line in out.splitlines()}
+        bit = 1 << (signal.SIGINT - 1)
+        return {"ignored": bool(masks["SigIgn"] & bit), "blocked": bool(masks["SigBlk"] & bit)}
