@@ -310,12 +310,13 @@ add_storage(fl_plan *p, uintptr_t ptr, size_t nbytes, PyObject *storage)
     return (Py_ssize_t)p->nstor++;
 }
 
-/* The storage entry of the bytes at `ptr`: the same one for every tensor on them.
- * No address tells an empty storage apart, but torch keeps one storage object per
- * storage while it lives (the entry holds it): the same object is the same
- * storage, shared as torch's transport shares it, and two empty ones stay two.
- * Those are keyed by a 1-tuple of the object's address, which no data_ptr key
- * (an int) equals. */
+/* The storage entry of a tensor's storage: the same one for every tensor on it.
+ * torch keeps one storage object per storage while it lives (the entry holds it,
+ * so its address is not reused meanwhile): the same object is the same storage,
+ * shared as torch's transport shares it, and two objects are two storages, even
+ * over the same bytes (torch.from_numpy() twice on one array), as torch's
+ * transport moves each on its own. Keyed by a 1-tuple of the object's address;
+ * without an object, by the bytes' address (an int, which no tuple equals). */
 static Py_ssize_t
 find_storage(fl_plan *p, uintptr_t ptr, size_t nbytes, PyObject *storage)
 {
@@ -324,8 +325,8 @@ find_storage(fl_plan *p, uintptr_t ptr, size_t nbytes, PyObject *storage)
         return add_storage(p, ptr, nbytes, storage);
     if (p->stor_index == NULL && (p->stor_index = PyDict_New()) == NULL)
         return -1;
-    PyObject *key = empty ? Py_BuildValue("(N)", PyLong_FromVoidPtr(storage))
-                          : PyLong_FromSize_t((size_t)ptr);
+    PyObject *key = storage != NULL ? Py_BuildValue("(N)", PyLong_FromVoidPtr(storage))
+                                    : PyLong_FromSize_t((size_t)ptr);
     if (key == NULL)
         return -1;
     Py_ssize_t idx = -1;

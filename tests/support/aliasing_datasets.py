@@ -176,11 +176,21 @@ def recursive(i):
     return batch
 
 
+def storages_over_one_memory(i):
+    # torch.from_numpy() twice on one array: two storage objects over the same
+    # bytes (and a third over part of them). torch's transport moves each storage
+    # on its own, so they arrive as three, and an in-place change to one is not
+    # seen in the others (fastloader took them for one storage, by address)
+    arr = np.arange(4.0) + i
+    return {"image": torch.from_numpy(arr), "orig": torch.from_numpy(arr),
+            "tail": torch.from_numpy(arr[1:]), "image_view": torch.from_numpy(arr)[::2]}
+
+
 CASES = [
     same_tensor_twice, labels_is_input_ids, view_and_base, views_without_base,
     slices_with_offsets, non_contiguous, expanded, dtype_views, fortran_arrays,
     numpy_views, requires_grad, containers_twice, pickled_object_sharing, nested_tensors,
-    storages, zero_size, odd_strides, shared_strings, recursive,
+    storages, zero_size, odd_strides, shared_strings, recursive, storages_over_one_memory,
 ]
 CASE_NAMES = [c.__name__ for c in CASES]
 
