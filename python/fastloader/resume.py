@@ -285,17 +285,22 @@ def as_epoch_end(loader, state: dict) -> dict:
     (with other settings than the saving run's, that is this loader's sampler). A
     sampler that yields more than its length had not ended: the state stays a
     mid-epoch one."""
-    if state.get("epoch_done") or not state.get("yielded_all"):
+    if (state.get("epoch_done") or not state.get("yielded_all")
+            or isinstance(loader.dataset, IterableDataset)):
+        return state
+    sampler = loader._index_sampler
+    try:
+        length = len(sampler)
+    except Exception:   # (this loader's sampler may be another one, an endless one)
         return state
     before = capture_rng(loader.generator)
     restore_rng(loader.generator, state["sampler_rng"])
-    sampler = loader._index_sampler
-    drawn = sum(1 for _ in sampler)
-    try:
-        ended = drawn <= len(sampler)
-    except Exception:
-        ended = False
-    if not ended:
+    drawn = 0
+    for _ in sampler:
+        drawn += 1
+        if drawn > length:
+            break
+    if drawn > length:
         restore_rng(loader.generator, before)
         return state
     return dict(state, epoch_done=True, rng_now=capture_rng(loader.generator))

@@ -10,7 +10,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 import fastloader
 from tests.support import resume_datasets as rd
-from tests.support.helpers import assert_same_batch_lists, clone_batch, wait_until
+from tests.support.helpers import assert_same_batch_lists, clone_batch, deadline, wait_until
 
 pytestmark = [pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")]
 
@@ -436,6 +436,27 @@ def test_state_dict_after_every_batch_changes_nothing_in_the_saving_run(workers)
         del it
         nexts.append([b["i"].tolist() for b in loader])
     assert nexts[0] == nexts[1]
+
+
+@pytest.mark.parametrize("other", ["endless sampler", "stream"])
+def test_a_state_at_an_epochs_end_into_a_loader_that_never_ends_does_not_hang(other):
+    """Finding the epoch's end runs this loader's sampler: not one without end."""
+    loader = make(rd.RandomAugmented(8), batch_size=2, num_workers=0)
+    it, _ = _steps(loader, len(loader))
+    state = loader.state_dict()
+    assert state["yielded_all"]
+    if other == "stream":   # another dataset length: refused
+        resumed = make(rd.UnknownLengthStream(8), batch_size=2, num_workers=0)
+        with deadline(60), pytest.raises(ValueError, match="dataset length"):
+            resumed.load_state_dict(state)
+        return
+    # the same fingerprint: a mid-epoch state, whose 4 batches are skipped
+    resumed = make(rd.RandomAugmented(8), batch_size=2, num_workers=0,
+                   sampler=rd.EndlessSampler(8))
+    with deadline(60):
+        resumed.load_state_dict(state)
+        it = iter(resumed)
+        assert [next(it)["i"].tolist() for _ in range(2)] == [[0, 1], [2, 3]]
 
 
 @pytest.mark.parametrize("workers", [0, 2])

@@ -373,3 +373,16 @@ class LongerThanItsLength(torch.utils.data.SequentialSampler):
 
     def __len__(self):
         return super().__len__() - self.extra
+
+
+class EndlessSampler(torch.utils.data.Sampler):
+    """0, 1, ..., n-1, 0, 1, ... for ever; no __len__ (as an endless sampler has)."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        i = 0
+        while True:
+            yield i % self.n
+            i += 1
