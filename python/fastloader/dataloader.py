@@ -98,6 +98,11 @@ class DataLoader(_TorchDataLoader[T_co]):
         """Where the current epoch stands: the sampler's starting RNG state, the
         batches already yielded, and each worker's RNG snapshot. Pass it to
         load_state_dict() of a fresh loader built with the same arguments."""
+        pending = session_of(self).pending_resume()
+        if pending is not None:
+            # loaded, not yet iterated: a checkpoint now keeps that position (it
+            # used to say "fresh", and a resume from it restarted the epoch)
+            return dict(pending, fingerprint=_resume.fingerprint(self))
         it = self._live_iterator()
         if it is not None:
             state = it.state_dict()

@@ -202,7 +202,13 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             # next epoch starts new workers, as fastloader.DataLoader.__iter__
             # does by dropping it (torch's iterator would fail on its dead ones,
             # and this one's closed channels raised ValueError)
-            self.__init__(loader, self._session, self.sharing_strategy)
+            try:
+                self.__init__(loader, self._session, self.sharing_strategy)
+            except BaseException:
+                # no workers (fds, processes or memory ran out): still stopped, so
+                # that the next epoch tries again (its channels are closed)
+                self._shutdown = True
+                raise
             return
         super()._reset(loader, first_iter)
         if type(self) in (FastMultiProcessingIter, _LengthCheckedIter):   # not a user's subclass
@@ -301,12 +307,12 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         return {
             "version": _resume.VERSION,
             "epoch": self._epoch,
-            # every batch yielded and none in flight: each batch taken asked the
-            # sampler for another, so it has ended, and the generator is where the
-            # epoch leaves it: this is the epoch's end (see resume.as_epoch_end)
-            "epoch_done": self._epoch_done or (
-                self._send_idx <= self._rcvd_idx and _resume.yielded_every_batch(
-                    self._dataset_kind, self._index_sampler, self._rcvd_idx)),
+            # every batch yielded: each batch taken asked the sampler for another,
+            # so it has ended, and the generator is where the epoch leaves it: this
+            # is the epoch's end (see resume.as_epoch_end)
+            "epoch_done": self._epoch_done or _resume.yielded_every_batch(
+                self._dataset_kind, self._index_sampler, self._rcvd_idx,
+                self._tracker.ahead_of(self._rcvd_idx), sent=self._send_idx),
             "base_seed": self._base_seed,
             "sampler_rng": self._sampler_rng,
             "next_seq": self._rcvd_idx,

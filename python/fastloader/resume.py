@@ -258,17 +258,24 @@ def validate(loader, state) -> bool:
     return other_workers
 
 
-def yielded_every_batch(dataset_kind, index_sampler, next_seq: int) -> bool:
+def yielded_every_batch(dataset_kind, index_sampler, next_seq: int, ahead=(),
+                        sent=None) -> bool:
     """Whether a map-style epoch has yielded as many batches as its length though
     its iterator has not raised StopIteration yet (a loop that counts its steps,
-    Lightning stopping at `max_steps`); see as_epoch_end. (An IterableDataset's
-    length is only a hint, and an endless sampler has none.)"""
+    Lightning stopping at `max_steps`): every batch before the length is behind
+    `next_seq` or among those delivered `ahead` of it (in_order=False), and no task
+    was `sent` past the length (a sampler longer than its length has not ended).
+    See as_epoch_end. (An IterableDataset's length is only a hint, and an endless
+    sampler has none.)"""
     if dataset_kind != _DatasetKind.Map or next_seq <= 0:
         return False
     try:
-        return next_seq >= len(index_sampler)
+        length = len(index_sampler)
     except Exception:   # no length, or one unknown
         return False
+    if sent is not None and sent > length:
+        return False
+    return next_seq + sum(1 for seq in set(ahead) if next_seq <= seq < length) >= length
 
 
 def as_epoch_end(loader, state: dict) -> dict:
@@ -279,12 +286,15 @@ def as_epoch_end(loader, state: dict) -> dict:
     sampler for the next, so it had ended and the state says so already.)
 
     Here the sampler was not asked again (state_dict() must change nothing in the
-    saving run), and a RandomSampler draws from the generator once more on its way
-    out, which the next epoch's shuffle depends on: the generator is taken where
-    the sampler leaves it by running this loader's sampler from the epoch's start
-    (with other settings than the saving run's, that is this loader's sampler). A
-    sampler that yields more than its length had not ended: the state stays a
-    mid-epoch one."""
+    saving run), and a RandomSampler given the loader's generator draws from it
+    once more on its way out, which the next epoch's shuffle depends on: the
+    generator is taken where the sampler leaves it by running this loader's
+    sampler once from the epoch's start (with other settings than the saving
+    run's, that is this loader's sampler; it costs what a mid-epoch resume's
+    fast-forward costs). Without a generator the sampler draws only its seed from
+    the global RNG, at its start: the state's own RNG, which holds every draw the
+    training loop made since, stays. A sampler that yields more than its length
+    had not ended: the state stays a mid-epoch one."""
     if (state.get("epoch_done") or not state.get("yielded_all")
             or isinstance(loader.dataset, IterableDataset)):
         return state
@@ -293,17 +303,22 @@ def as_epoch_end(loader, state: dict) -> dict:
         length = len(sampler)
     except Exception:   # (this loader's sampler may be another one, an endless one)
         return state
-    before = capture_rng(loader.generator)
-    restore_rng(loader.generator, state["sampler_rng"])
+    generator = loader.generator
+    before = capture_rng(generator)
+    restore_rng(generator, state["sampler_rng"])
     drawn = 0
-    for _ in sampler:
-        drawn += 1
-        if drawn > length:
-            break
+    try:
+        for _ in sampler:
+            drawn += 1
+            if drawn > length:
+                break
+        at_end = capture_rng(generator)
+    finally:
+        restore_rng(generator, before)
     if drawn > length:
-        restore_rng(loader.generator, before)
         return state
-    return dict(state, epoch_done=True, rng_now=capture_rng(loader.generator))
+    return dict(state, epoch_done=True,
+                rng_now=at_end if generator is not None else state["rng_now"])
 
 
 def next_seq(state: dict) -> int:

@@ -49,6 +49,10 @@ class LoaderSession:
         """The next iterator continues from `state` (load_state_dict)."""
         self._pending_resume = state
 
+    def pending_resume(self) -> Optional[dict]:
+        """The state the next iterator continues from, if one was loaded."""
+        return self._pending_resume
+
     def take_resume(self) -> Optional[dict]:
         state, self._pending_resume = self._pending_resume, None
         return state

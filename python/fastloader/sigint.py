@@ -23,7 +23,7 @@ import sys
 import threading
 
 __all__ = ["children_ignore_sigint", "restore_default_in_forkserver",
-           "leave_ctrl_c_to_the_main_process"]
+           "leave_ctrl_c_to_the_main_process", "ignore_while_exiting"]
 
 
 def _quiet_sigint():
@@ -102,3 +102,11 @@ def leave_ctrl_c_to_the_main_process() -> None:
     global _worker_pid
     _worker_pid = os.getpid()
     signal.signal(signal.SIGINT, _main_process_handles_it)
+
+
+def ignore_while_exiting() -> None:
+    """A worker leaving its loop: the interpreter's finalization puts a handler
+    written in Python back to the default (SIG_IGN it keeps), so a Ctrl-C then
+    would kill a worker still flushing its files (a generator's `finally`, a
+    Finalize of its worker_init_fn). Nothing it starts from here on needs Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)

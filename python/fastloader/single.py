@@ -62,6 +62,8 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         self._epoch_done = False
         self._draws = 0
         state, self._resume_state = self._resume_state, None
+        if state is not None and state.get("epoch_done"):
+            self._epoch = state["epoch"] + 1   # the one after the saved run's
         if state is not None and state.get("epoch_done") and state.get("persistent"):
             # the saving run's persistent workers drew no seed for this epoch, and
             # torch's iterator here did: undo it, for that run's order
@@ -131,7 +133,7 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
                  "epoch_done": self._epoch_done,
                  # the sampler is not asked for its end here (see resume.as_epoch_end)
                  "yielded_all": _resume.yielded_every_batch(
-                     self._dataset_kind, self._index_sampler, self._draws),
+                     self._dataset_kind, self._index_sampler, self._draws, self._ahead),
                  "base_seed": self._base_seed,
                  "sampler_rng": self._sampler_rng, "yielded": self._num_yielded,
                  "next_seq": self._draws, "workers": []}

@@ -163,6 +163,7 @@ def worker_main(spec, handle, fds, inherited_fds=()):
         current.report(chan, spec.worker_id, exc)
         raise
     finally:
+        sigint.ignore_while_exiting()
         chan.cleanup()
 
 

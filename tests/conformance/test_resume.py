@@ -420,6 +420,71 @@ def test_a_state_outside_an_epoch_loads_with_other_settings(change, when, worker
 
 
 @pytest.mark.parametrize("workers", [0, 2])
+def test_an_epochs_end_without_a_generator_keeps_the_global_rng_the_loop_moved(workers):
+    """generator=None: the sampler draws its seed from the global RNG, which the
+    training loop moves too (dropout, augmentation). Finding the epoch's end must
+    not rewind it to the epoch's start: the next epoch's shuffle is the
+    uninterrupted run's."""
+    def loader():
+        return fastloader.DataLoader(list(range(16)), batch_size=4, shuffle=True,
+                                     num_workers=workers)
+
+    torch.manual_seed(123)
+    first = loader()
+    it, _ = _steps(first, len(first))
+    torch.rand(10)   # the last training step's own draw
+    state = first.state_dict()
+    with pytest.raises(StopIteration):
+        next(it)
+    del it
+    uninterrupted = [b.tolist() for b in first]
+    torch.manual_seed(999)   # a restarted job: its global RNG is anything
+    resumed = loader()
+    resumed.load_state_dict(state)
+    assert [b.tolist() for b in resumed] == uninterrupted
+
+
+def test_an_in_order_false_epoch_whose_batches_were_all_yielded_is_at_its_end():
+    """Out of order, the cursor of the batch due lags behind batches delivered
+    ahead of it: the state of such an epoch resumed as an empty epoch."""
+    ds = rd.SlowAt(n=4, slow=(0,), delay=0.5)
+    kw = dict(batch_size=1, num_workers=2, in_order=False)
+    loader = make(ds, **kw)
+    it, head = _steps(loader, len(loader))
+    assert sorted(b["i"].item() for b in head) == [0, 1, 2, 3]
+    state = loader.state_dict()
+    assert state["epoch_done"]
+    del it
+    resumed = make(ds, **kw)
+    resumed.load_state_dict(state)
+    assert sorted(b["i"].item() for b in resumed) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_state_saved_after_loading_and_before_iterating_keeps_its_position(workers):
+    """It said "fresh": a checkpoint taken between load_state_dict() and iter()
+    (a framework saving at once after restoring) restarted the epoch."""
+    ds = rd.RandomAugmented(24)
+    kw = dict(batch_size=4, shuffle=True, num_workers=workers)
+    (full,) = epochs(make(ds, **kw), 1)
+    first = make(ds, **kw)
+    it, _ = _steps(first, 2)
+    state = first.state_dict()
+    del it
+    second = make(ds, seed=5, **kw)
+    second.load_state_dict(state)
+    again = second.state_dict()
+    assert not again.get("fresh") and again["next_seq"] == 2
+    third = make(ds, seed=6, **kw)
+    third.load_state_dict(again)
+    tail = [clone_batch(b) for b in third]
+    if workers:
+        assert_same_batch_lists(full[2:], tail, "resumed from the state saved again")
+    else:   # the samples draw from this process's RNGs
+        assert [b["i"].tolist() for b in tail] == [b["i"].tolist() for b in full[2:]]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
 def test_state_dict_after_every_batch_changes_nothing_in_the_saving_run(workers):
     """A loop that counts its steps leaves the iterator without asking it again:
     its sampler has not ended (a RandomSampler's last draw from the generator is

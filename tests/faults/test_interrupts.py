@@ -162,3 +162,18 @@ def test_programs_a_worker_starts_take_ctrl_c_as_under_torch(ctx):
         got[name] = list(cls(ds.ChildSignalState(), batch_size=None, num_workers=1,
                              multiprocessing_context=ctx))
     assert got["fastloader"] == got["torch"] == [{"ignored": False, "blocked": False}] * 2
+
+
+@pytest.mark.parametrize("ctx", CONTEXTS + ("forkserver",))
+def test_a_worker_ignores_ctrl_c_while_it_exits(ctx, tmp_path):
+    """The interpreter's finalization puts a SIGINT handler written in Python back
+    to the default: a Ctrl-C then would kill a worker flushing its files."""
+    import functools
+
+    loader = DataLoader(ds.TensorLabelDataset(4), batch_size=2, num_workers=2,
+                        multiprocessing_context=ctx,
+                        worker_init_fn=functools.partial(ds.record_sigint_at_exit, str(tmp_path)))
+    assert len(list(loader)) == 2
+    del loader
+    assert wait_until(lambda: len(os.listdir(tmp_path)) == 2, 30)
+    assert {(tmp_path / w).read_text() for w in ("0", "1")} == {"<Handlers.SIG_IGN: 1>"}

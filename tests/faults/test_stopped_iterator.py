@@ -128,3 +128,30 @@ def test_persistent_workers_stopped_by_ctrl_c_are_replaced_at_the_next_epoch(Loa
     loader.dataset.slept = True   # the new workers are forked with it
     assert [int(b) for b in collect(loader)] == list(range(6))
     assert [int(b) for b in collect(loader)] == list(range(6))
+
+
+def test_a_revival_that_fails_is_tried_again_at_the_next_epoch(tmp_path, monkeypatch):
+    """install(): starting the new workers failed once (no fds, processes or memory
+    left): the iterator kept its closed channels and every later epoch raised
+    "ValueError: channel is closed"."""
+    from fastloader import iterator as iterator_module
+
+    fastloader.install()
+    try:
+        loader = torch.utils.data.DataLoader(
+            DiesOnce(str(tmp_path / "died")), batch_size=1, num_workers=2,
+            multiprocessing_context="fork", persistent_workers=True)
+        _until_error(iter(loader))
+        real = iterator_module.WorkerPool
+
+        def out_of_fds(*args, **kwargs):
+            raise OSError(24, "Too many open files")
+
+        monkeypatch.setattr(iterator_module, "WorkerPool", out_of_fds)
+        with pytest.raises(OSError, match="Too many open files"):
+            iter(loader)
+        monkeypatch.setattr(iterator_module, "WorkerPool", real)
+        assert [int(b) for b in collect(loader)] == list(range(12))
+        assert [int(b) for b in collect(loader)] == list(range(12))
+    finally:
+        fastloader.uninstall()

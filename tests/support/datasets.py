@@ -593,3 +593,16 @@ class ChildSignalState(Dataset):
         masks = {line.split(":")[0]: int(line.split()[1], 16) for line in out.splitlines()}
         bit = 1 << (signal.SIGINT - 1)
         return {"ignored": bool(masks["SigIgn"] & bit), "blocked": bool(masks["SigBlk"] & bit)}
+
+
+def record_sigint_at_exit(directory, worker_id):
+    """worker_init_fn (with functools.partial): at the worker's exit (a Finalize,
+    as a worker's own clean-up would be), write its SIGINT disposition to
+    `directory`/<worker_id>."""
+    from multiprocessing.util import Finalize
+
+    def record():
+        with open(os.path.join(directory, str(worker_id)), "w") as f:
+            f.write(repr(signal.getsignal(signal.SIGINT)))
+
+    Finalize(None, record, exitpriority=0)
