@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #define SCAN_MAX_DEPTH 256
@@ -38,22 +39,34 @@ typedef struct {
     /* the first error: errno and the path it concerns */
     int err;
     char *err_path;
-    /* entries since signals were last checked; whether Ctrl-C stopped the scan */
-    unsigned since_check;
+    /* whether to look for Ctrl-C (only Python's main thread runs signal handlers);
+     * entries since the clock was last read, and when signals were last checked */
+    int check_signals;
+    unsigned since_clock;
+    struct timespec checked;
     int interrupted;
 } scan_ctx;
 
-/* Entries between two looks for a pending signal: taking the GIL costs ~1 us, an
- * entry about as much, and a tree of links can hold 2**40 paths (as for os.walk),
- * so a scan must stop on Ctrl-C rather than run on with the GIL released. */
-#define SCAN_CHECK_EVERY 1024
+/* A tree of links can hold 2**40 paths (as for os.walk), so a scan must stop on
+ * Ctrl-C rather than run on with the GIL released. Looking for a signal takes the
+ * GIL, which another thread running Python may hold for up to its switch interval
+ * (and then has to give up): so at most every 50 ms, the clock read every 1024
+ * entries (tens of nanoseconds against a microsecond an entry). */
+#define SCAN_CLOCK_EVERY 1024
+#define SCAN_CHECK_NS 50000000L
 
 static int
 scan_interrupted(scan_ctx *c)
 {
-    if (++c->since_check < SCAN_CHECK_EVERY)
+    if (!c->check_signals || ++c->since_clock < SCAN_CLOCK_EVERY)
         return 0;
-    c->since_check = 0;
+    c->since_clock = 0;
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    if ((now.tv_sec - c->checked.tv_sec) * 1000000000L + (now.tv_nsec - c->checked.tv_nsec)
+            < SCAN_CHECK_NS)
+        return 0;
+    c->checked = now;
     /* this thread released the GIL in packed_scan(); take it back to let Python's
      * handlers run (the KeyboardInterrupt stays set for packed_scan() to return) */
     PyGILState_STATE g = PyGILState_Ensure();
@@ -258,13 +271,15 @@ ent_cmp(const void *x, const void *y, void *arg)
 }
 
 PyDoc_STRVAR(packed_scan_doc,
-"packed_scan(writer, directory, prefix, suffixes, follow_symlinks)\n--\n\nReturns int.\n"
+"packed_scan(writer, directory, prefix, suffixes, follow_symlinks, main_thread)\n--\n\n"
+"Returns int.\n"
 "Append to `writer` (a PACKED_STR PackedWriter) the paths, relative to `directory`\n"
 "(bytes) and preceded by `prefix` (bytes), of the regular files below it whose\n"
 "names end with one of `suffixes` (a tuple of lowercase bytes, matched ignoring\n"
 "ASCII case; None: every file), sorted bytewise. Symbolic links count as what they\n"
 "point to; linked directories are entered only with follow_symlinks (never twice\n"
-"on one path). Runs without the GIL. Returns the number of paths added.");
+"on one path). Runs without the GIL; with main_thread (the caller runs in Python's\n"
+"main thread), stops on Ctrl-C (KeyboardInterrupt). Returns the number of paths added.");
 
 static PyObject *
 packed_scan(PyObject *Py_UNUSED(module), PyObject *args)
@@ -276,8 +291,13 @@ packed_scan(PyObject *Py_UNUSED(module), PyObject *args)
     scan_ctx c;
     PyObject *result = NULL;
     memset(&c, 0, sizeof(c));
-    if (!PyArg_ParseTuple(args, "Oyy*Op", &writer, &dir, &prefix, &suffixes, &follow))
+    int main_thread;
+    if (!PyArg_ParseTuple(args, "Oyy*Opp", &writer, &dir, &prefix, &suffixes, &follow,
+                          &main_thread))
         return NULL;
+    /* PyGILState_Ensure() knows the main interpreter's thread states only */
+    c.check_signals = main_thread && PyInterpreterState_Get() == PyInterpreterState_Main();
+    clock_gettime(CLOCK_MONOTONIC, &c.checked);
     if (!fl_packed_has_dealloc(writer, (void *)fl_packed_writer_dealloc) || WRITER(writer)->kind != FL_PACKED_STR) {
         PyErr_SetString(PyExc_TypeError, "packed_scan() needs a PACKED_STR PackedWriter");
         goto done;

@@ -117,7 +117,8 @@ class PackedWriter:
     def count(self) -> int: ...
 
 def packed_scan(writer: PackedWriter, directory: bytes, prefix: bytes,
-                suffixes: Optional[tuple[bytes, ...]], follow_symlinks: bool) -> int: ...
+                suffixes: Optional[tuple[bytes, ...]], follow_symlinks: bool,
+                main_thread: bool) -> int: ...
 
 def set_hooks(tensor_type: type, stack_type: type, export: Callable[..., Any],
               plan: Callable[..., Any], fill: Callable[..., Any],

@@ -586,8 +586,11 @@ class PackedStringArray(_PackedBase):
         root_b = os.fsencode(root)
         suffix_t = _suffix_tuple(suffixes)
         try:
+            # Ctrl-C is looked for in the main thread, the one that runs handlers
+            main = threading.current_thread() is threading.main_thread()
             return _build(cls, lambda w: _core.packed_scan(w, root_b, b"", suffix_t,
-                                                            follow_symlinks), sharing_strategy)
+                                                            follow_symlinks, main),
+                          sharing_strategy)
         except OSError as exc:
             # the C scan works on bytes; name the path as the caller spelt it (os.* do)
             if isinstance(root, str) and isinstance(exc.filename, bytes):

@@ -260,6 +260,20 @@ def test_from_directory_sorted_filtered_links(tmp_path):
         PackedStringArray.from_directory(root / "a.jpg")
 
 
+def test_from_directory_in_another_thread_scans_the_same(tmp_path):
+    # there it does not look for Ctrl-C (only the main thread runs handlers)
+    import threading
+
+    root = tmp_path / "tree"
+    make_tree(root)
+    got = []
+    scan = threading.Thread(target=lambda: got.append(
+        PackedStringArray.from_directory(root, follow_symlinks=False).tolist()))
+    scan.start()
+    scan.join(60)
+    assert got == [walk_expected(root)]
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root reads any directory")
 def test_from_directory_unreadable_subdirectory_is_named(tmp_path):
     (tmp_path / "ok").mkdir()
