@@ -340,8 +340,43 @@ def _reduce_typed_storage(storage):
     return _rebuild_typed_storage, (_storage_bytes(untyped), storage.dtype)
 
 
+def _as_is(t):
+    return t
+
+
+_SPARSE_COMPRESSED = {torch.sparse_csr: ("crow_indices", "col_indices"),
+                      torch.sparse_bsr: ("crow_indices", "col_indices"),
+                      torch.sparse_csc: ("ccol_indices", "row_indices"),
+                      torch.sparse_bsc: ("ccol_indices", "row_indices")}
+
+
+def _reduce_tensor(t):
+    """A tensor the ring does not carry (the others never get here: persistent_id
+    takes them first). A sparse one is rebuilt as torch's transport rebuilds it,
+    by torch's own function (torch.sparse_coo_tensor() or
+    torch.sparse_compressed_tensor() in the main process: its warnings, its
+    coalesced flag), its index and value tensors through the ring; anything else
+    pickles as it always has."""
+    if t.layout is torch.sparse_coo or t.layout in _SPARSE_COMPRESSED:
+        if t.requires_grad and not t.is_leaf:
+            raise RuntimeError(_NON_LEAF)
+        from torch.multiprocessing import reductions
+
+        if t.layout is torch.sparse_coo:
+            return reductions.rebuild_sparse_coo_tensor, (
+                _as_is, (t._indices(),), _as_is, (t._values(),), t.shape, t.is_coalesced())
+        compressed, plain = (getattr(t, name)() for name in _SPARSE_COMPRESSED[t.layout])
+        return reductions.rebuild_sparse_compressed_tensor, (
+            _as_is, (compressed,), _as_is, (plain,), _as_is, (t.values(),), t.shape, t.layout)
+    return t.__reduce_ex__(pickle.DEFAULT_PROTOCOL)
+
+
 _REDUCERS = {torch.UntypedStorage: _reduce_untyped_storage,
              torch.TypedStorage: _reduce_typed_storage}
+# torch's queue reduces these two exact types with reduce_tensor (subclasses keep
+# their own __reduce_ex__, there as here); a user's ForkingPickler.register() for
+# them still wins, as it would over torch's
+_TENSOR_REDUCERS = {torch.Tensor: _reduce_tensor, torch.nn.Parameter: _reduce_tensor}
 
 
 def dumps(obj, enclosing=None):
@@ -350,7 +385,8 @@ def dumps(obj, enclosing=None):
     pickler = _OutOfBandPickler(buf, oob, enclosing)
     # copied per batch, so that a copyreg.pickle() or ForkingPickler.register()
     # made since is honoured
-    pickler.dispatch_table = {**copyreg.dispatch_table, **_forking_reducers(), **_REDUCERS}
+    pickler.dispatch_table = {**copyreg.dispatch_table, **_TENSOR_REDUCERS,
+                              **_forking_reducers(), **_REDUCERS}
     pickler.dump(obj)
     return buf.getvalue(), oob
 

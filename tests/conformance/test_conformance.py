@@ -36,10 +36,12 @@ they get few, small loaders.
 import dataclasses
 import gc
 import inspect
+import json
 import multiprocessing
 import os
 import random
 import re
+import subprocess
 import sys
 import traceback
 import typing
@@ -482,6 +484,40 @@ def test_default_collate_per_kind(kind):
                              multiprocessing_context="fork")))
 
     conform(scenario)
+
+
+_SPARSE_SCRIPT = """
+import json, sys, warnings
+import torch
+from tests.support import conformance_datasets as cds
+if sys.argv[1] == "torch":
+    from torch.utils.data import DataLoader
+else:
+    from fastloader import DataLoader
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    out = [[(str(t.layout), t.is_coalesced() if t.layout == torch.sparse_coo else None,
+             t.to_dense().tolist()) for t in batch]
+           for batch in DataLoader(cds.SparseDataset(), batch_size=None, num_workers=1,
+                                   multiprocessing_context="fork")]
+print(json.dumps({"batches": out, "warnings": [
+    (w.category.__name__, str(w.message), w.filename, w.lineno) for w in caught]}))
+"""
+
+
+def test_sparse_tensors_arrive_as_torchs_rebuilds_them(subprocess_env):
+    """torch's transport rebuilds a sparse tensor with torch.sparse_coo_tensor() or
+    torch.sparse_compressed_tensor() in the main process, whose warnings (each
+    once per process: hence a fresh one per loader) come from torch's line there;
+    fastloader unpickled it without them."""
+    seen = {}
+    for loader in ("torch", "fastloader"):
+        run = subprocess.run([sys.executable, "-c", _SPARSE_SCRIPT, loader], env=subprocess_env,
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr[-3000:]
+        seen[loader] = json.loads(run.stdout)
+    assert seen["fastloader"] == seen["torch"]
+    assert any("Sparse" in message for _, message, _, _ in seen["torch"]["warnings"])
 
 
 # ======================================================================================

@@ -461,3 +461,18 @@ class PinnableBatch:
 
 def pinnable_collate(batch):
     return PinnableBatch(torch.stack(batch))
+
+
+class SparseDataset(Dataset):
+    """Sparse tensors of every layout torch's transport rebuilds: COO (not
+    coalesced, and coalesced), CSR, CSC, BSR."""
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, index):
+        coo = torch.sparse_coo_tensor(torch.tensor([[0, 0], [1, 1]]),
+                                      torch.tensor([1.0, 2.0 + index]), (2, 2))
+        dense = torch.eye(2) * (index + 1)
+        return [coo, coo.coalesce(), dense.to_sparse_csr(), dense.to_sparse_csc(),
+                torch.eye(4).to_sparse_bsr((2, 2))]
