@@ -137,6 +137,7 @@ class DataLoader(_TorchDataLoader[T_co]):
                 stacklevel=2)
             state = _resume.for_other_worker_count(state, self.num_workers)
         if state.get("fresh"):
+            session_of(self).resume_from(None)   # the last state loaded wins
             return
         if state.get("epoch_done"):
             # the next epoch starts as it would have: same RNG, same base seed

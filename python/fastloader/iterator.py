@@ -85,6 +85,8 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         # torch DataLoader given this transport by install()
         session = session if session is not None else LoaderSession()
         resume_state = session.take_resume()
+        # given back once the resumed epoch's first indices are drawn (_reset)
+        self._global_rng_kept = _resume.global_rng_to_give_back(loader.generator, resume_state)
         # from torch's line, so that its pin_memory warnings point where torch's do
         torch_sites.base_iter_init(super().__init__, loader)
         self._session = session
@@ -205,8 +207,11 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             try:
                 self.__init__(loader, self._session, self.sharing_strategy)
             except BaseException:
-                # no workers (fds, processes or memory ran out): still stopped, so
-                # that the next epoch tries again (its channels are closed)
+                # no workers (fds, processes or memory ran out), or they started and
+                # the first tasks failed (a sampler that raised): none left running,
+                # and still stopped, so that the next epoch tries again
+                if self.__dict__.get("_pool") is not None:
+                    self._shutdown_workers(grace=_FAILURE_GRACE_S)
                 self._shutdown = True
                 raise
             return
@@ -276,6 +281,9 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             self._sampler_rng = _resume.capture_rng(self._loader_generator)
         for _ in range(self._prefetch_factor * self._num_workers):
             self._try_put_index()
+        if self._global_rng_kept is not None:   # the sampler has drawn its seed by now
+            kept, self._global_rng_kept = self._global_rng_kept, None
+            _resume.restore_rng(None, kept)
 
     def _fast_forward(self, state):
         """Skip the batches the interrupted run already yielded, and bring every

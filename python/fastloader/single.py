@@ -27,6 +27,9 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         # the loader's state across epochs (session.py); a detached one otherwise
         self._session = session if session is not None else LoaderSession()
         self._resume_state = self._session.take_resume()
+        # given back once the resumed epoch's first index is drawn (_next_index)
+        self._global_rng_kept = _resume.global_rng_to_give_back(loader.generator,
+                                                                self._resume_state)
         self._loader_generator = loader.generator
         self._epoch_done = False
         self._ahead = set()
@@ -70,7 +73,14 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
             _resume.restore_rng(self._loader_generator, state["rng_now"])
         if state is not None and not state.get("epoch_done"):
             self._epoch = state["epoch"]
-            _resume.restore_rng(self._loader_generator, state["sampler_rng"])
+            if _resume.next_seq(state) or self._loader_generator is not None:
+                _resume.restore_rng(self._loader_generator, state["sampler_rng"])
+            elif self._global_rng_kept is not None:
+                # nothing drawn yet in the saved epoch: its sampler draws its seed at
+                # the first batch, from the global RNG as the training loop has left
+                # it (restored by the job), not as the epoch found it
+                kept, self._global_rng_kept = self._global_rng_kept, None
+                _resume.restore_rng(None, kept)
             self._sampler_rng = state["sampler_rng"]
             # skip the batches before the next one due without fetching them (an
             # iterable's are replayed, see _put_iterable_back), and (from a loader
@@ -93,7 +103,14 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
             self._sampler_rng = _resume.capture_rng(self._loader_generator)
 
     def _next_index(self):
-        index = super()._next_index()
+        if self._global_rng_kept is None:
+            index = super()._next_index()
+        else:
+            try:
+                index = super()._next_index()   # the sampler draws its seed here
+            finally:
+                kept, self._global_rng_kept = self._global_rng_kept, None
+                _resume.restore_rng(None, kept)
         self._draws += 1
         return index
 

@@ -444,6 +444,50 @@ def test_an_epochs_end_without_a_generator_keeps_the_global_rng_the_loop_moved(w
     assert [b.tolist() for b in resumed] == uninterrupted
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("k", [0, 2])
+def test_a_mid_epoch_resume_without_a_generator_gives_the_global_rng_back(workers, k):
+    """generator=None: the resumed epoch draws its seeds again from the epoch's
+    starting RNG, and left the global RNG there, so the training loop's draws after
+    the resume (dropout, augmentation) repeated the epoch's first ones."""
+    def loader():
+        return fastloader.DataLoader(list(range(16)), batch_size=4, shuffle=True,
+                                     num_workers=workers)
+
+    torch.manual_seed(3)
+    first = loader()
+    it = iter(first)
+    for _ in range(k):
+        next(it)
+    torch.rand(3)   # the training loop's own draws
+    state, rng = first.state_dict(), torch.get_rng_state()
+    rest = [b.tolist() for b in it]
+    uninterrupted_draw = torch.rand(2)   # the loop's next draw
+    del it
+    torch.manual_seed(99)
+    resumed = loader()
+    resumed.load_state_dict(state)
+    torch.set_rng_state(rng)   # a restored job restores its RNG with the rest
+    assert [b.tolist() for b in resumed] == rest
+    assert torch.equal(torch.rand(2), uninterrupted_draw)
+
+
+def test_loading_a_fresh_state_after_another_one_starts_afresh():
+    """The last state loaded wins (a fresh one left the earlier one pending)."""
+    ds = rd.RandomAugmented(16)
+    kw = dict(batch_size=4, num_workers=0)
+    fresh = make(ds, **kw).state_dict()
+    first = make(ds, **kw)
+    it, _ = _steps(first, 2)
+    mid = first.state_dict()
+    del it
+    loader = make(ds, **kw)
+    loader.load_state_dict(mid)
+    loader.load_state_dict(fresh)
+    assert loader.state_dict().get("fresh")
+    assert len(list(loader)) == 4
+
+
 def test_an_in_order_false_epoch_whose_batches_were_all_yielded_is_at_its_end():
     """Out of order, the cursor of the batch due lags behind batches delivered
     ahead of it: the state of such an epoch resumed as an empty epoch."""

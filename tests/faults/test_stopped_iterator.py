@@ -15,7 +15,7 @@ from torch.utils.data import Dataset
 import fastloader
 from fastloader import DataLoader, WorkerError
 from tests.support.fault_helpers import QUIET_WORKER_COUNT_WARNING
-from tests.support.helpers import collect, deadline
+from tests.support.helpers import collect, deadline, is_gone, wait_until
 
 pytestmark = [QUIET_WORKER_COUNT_WARNING]
 
@@ -153,5 +153,45 @@ def test_a_revival_that_fails_is_tried_again_at_the_next_epoch(tmp_path, monkeyp
         monkeypatch.setattr(iterator_module, "WorkerPool", real)
         assert [int(b) for b in collect(loader)] == list(range(12))
         assert [int(b) for b in collect(loader)] == list(range(12))
+    finally:
+        fastloader.uninstall()
+
+
+class _FailsOnce(torch.utils.data.Sampler):
+    """0..n-1 in order, but the iteration after `arm()` raises at its first draw."""
+
+    def __init__(self, n):
+        self.n, self.armed = n, False
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        if self.armed:
+            self.armed = False
+            raise RuntimeError("the sampler failed")
+        return iter(range(self.n))
+
+
+def test_a_revival_that_fails_after_its_workers_started_leaves_none_running():
+    """install(): the new workers started, then the first tasks failed (the
+    sampler raised); the pool was left running, unreachable, to the end."""
+    import psutil
+
+    fastloader.install()
+    try:
+        sampler = _FailsOnce(6)
+        loader = torch.utils.data.DataLoader(
+            list(range(6)), batch_size=2, num_workers=2, sampler=sampler,
+            multiprocessing_context="fork", persistent_workers=True)
+        assert [b.tolist() for b in loader] == [[0, 1], [2, 3], [4, 5]]
+        loader._iterator._shutdown_workers()
+        sampler.armed = True
+        before = {p.pid for p in psutil.Process().children()}
+        with pytest.raises(RuntimeError, match="the sampler failed"):
+            iter(loader)
+        started = {p.pid for p in psutil.Process().children()} - before
+        assert wait_until(lambda: all(is_gone(pid) for pid in started), 10), started
+        assert [b.tolist() for b in loader] == [[0, 1], [2, 3], [4, 5]]
     finally:
         fastloader.uninstall()
