@@ -82,12 +82,20 @@ class DataLoader(_TorchDataLoader[T_co]):
 
     def _get_iterator(self):
         session = session_of(self)
-        if self.num_workers == 0:
-            it = SingleProcessIter(self, session)
-        else:
-            # from torch's lines, so that their warnings point where torch's do
-            torch_sites.check_worker_number(self.check_worker_number_rationality)
-            it = torch_sites.new_multiprocessing_iter(FastMultiProcessingIter, self, session)
+        pending = session.pending_resume()
+        try:
+            if self.num_workers == 0:
+                it = SingleProcessIter(self, session)
+            else:
+                # from torch's lines, so that their warnings point where torch's do
+                torch_sites.check_worker_number(self.check_worker_number_rationality)
+                it = torch_sites.new_multiprocessing_iter(FastMultiProcessingIter, self, session)
+        except BaseException:
+            # the epoch did not start (no fds or processes left, Ctrl-C): a state
+            # loaded for it is still the next iter()'s, not lost
+            if pending is not None and session.pending_resume() is None:
+                session.resume_from(pending)
+            raise
         session.started(it)
         return it
 

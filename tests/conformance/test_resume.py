@@ -472,6 +472,33 @@ def test_a_mid_epoch_resume_without_a_generator_gives_the_global_rng_back(worker
     assert torch.equal(torch.rand(2), uninterrupted_draw)
 
 
+def test_a_loaded_state_survives_an_epoch_that_could_not_start(monkeypatch):
+    """No workers could start (no fds left): the state loaded for the epoch was
+    taken all the same, and the next iter() restarted the epoch from its start."""
+    from fastloader import iterator as iterator_module
+
+    ds = rd.RandomAugmented(24)
+    kw = dict(batch_size=4, shuffle=True)
+    (full,) = epochs(make(ds, **kw), 1)
+    first = make(ds, **kw)
+    it, _ = _steps(first, 2)
+    state = first.state_dict()
+    del it
+    resumed = make(ds, seed=5, **kw)
+    resumed.load_state_dict(state)
+    real = iterator_module.WorkerPool
+
+    def out_of_fds(*args, **kwargs):
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(iterator_module, "WorkerPool", out_of_fds)
+    with pytest.raises(OSError, match="Too many open files"):
+        iter(resumed)
+    monkeypatch.setattr(iterator_module, "WorkerPool", real)
+    assert resumed.state_dict()["next_seq"] == 2
+    assert_same_batch_lists(full[2:], [clone_batch(b) for b in resumed], "after the failed start")
+
+
 def test_loading_a_fresh_state_after_another_one_starts_afresh():
     """The last state loaded wins (a fresh one left the earlier one pending)."""
     ds = rd.RandomAugmented(16)
