@@ -85,8 +85,8 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         # torch DataLoader given this transport by install()
         session = session if session is not None else LoaderSession()
         resume_state = session.take_resume()
-        # given back once the resumed epoch's first indices are drawn (_reset)
-        self._global_rng_kept = _resume.global_rng_to_give_back(loader.generator, resume_state)
+        # set once the resumed epoch's first indices are drawn (_reset)
+        self._global_rng_kept = _resume.global_rng_after_resume(loader.generator, resume_state)
         # from torch's line, so that its pin_memory warnings point where torch's do
         torch_sites.base_iter_init(super().__init__, loader)
         self._session = session

@@ -181,19 +181,20 @@ def control_messages(worker_state: dict, index_of: dict) -> list:
     return messages
 
 
-def global_rng_to_give_back(generator, state):
-    """The process's global RNG as it is now, where a mid-epoch resume will move it
-    and must give it back. Without a generator, the iterator (its base seed) and
-    the sampler (its own seed) draw from the global RNG, which the training loop
-    moves too (dropout, augmentation): the uninterrupted run made those draws at
-    the epoch's start, and the resumed one makes them again from the epoch's
-    starting RNG (to shuffle the same way), which left the global RNG rewound
-    there, so the loop's draws repeated the epoch's first ones. None where there
-    is nothing to give back (a generator of the loader's own, no state, or a
-    state outside an epoch, which sets the RNG the saved run had)."""
+def global_rng_after_resume(generator, state):
+    """Where a mid-epoch resume leaves the process's global RNG once the resumed
+    epoch's own draws are made: where the saved run had it when the state was
+    taken. Without a generator, the iterator (its base seed) and the sampler (its
+    own seed) draw from the global RNG, which the training loop moves too (dropout,
+    augmentation): the uninterrupted run made those draws at the epoch's start, and
+    the resumed one makes them again from the epoch's starting RNG (to shuffle the
+    same way), which left the global RNG rewound there, so the loop's draws after
+    a resume repeated the epoch's first ones (and the next epoch shuffled as that
+    one). None where the loader has a generator of its own, or for no state or a
+    state outside an epoch (which sets the generator itself, see load_state_dict)."""
     if generator is not None or state is None or state.get("fresh") or state.get("epoch_done"):
         return None
-    return capture_rng(None)
+    return state["rng_now"].clone()
 
 
 def capture_rng(generator):

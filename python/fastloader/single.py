@@ -27,8 +27,8 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         # the loader's state across epochs (session.py); a detached one otherwise
         self._session = session if session is not None else LoaderSession()
         self._resume_state = self._session.take_resume()
-        # given back once the resumed epoch's first index is drawn (_next_index)
-        self._global_rng_kept = _resume.global_rng_to_give_back(loader.generator,
+        # set once the resumed epoch's first index is drawn (_next_index)
+        self._global_rng_kept = _resume.global_rng_after_resume(loader.generator,
                                                                 self._resume_state)
         self._loader_generator = loader.generator
         self._epoch_done = False
@@ -77,8 +77,8 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
                 _resume.restore_rng(self._loader_generator, state["sampler_rng"])
             elif self._global_rng_kept is not None:
                 # nothing drawn yet in the saved epoch: its sampler draws its seed at
-                # the first batch, from the global RNG as the training loop has left
-                # it (restored by the job), not as the epoch found it
+                # the first batch, from the global RNG as the saved run had it then,
+                # not as the epoch found it
                 kept, self._global_rng_kept = self._global_rng_kept, None
                 _resume.restore_rng(None, kept)
             self._sampler_rng = state["sampler_rng"]

@@ -8,7 +8,6 @@ saves the steps of both runs."""
 import os
 
 import torch
-from torch.utils.data import TensorDataset
 
 from tests.clients.client_common import parse_argv, save
 
@@ -18,24 +17,10 @@ ROOT = OUT + ".lightning"   # this run's checkpoints, apart from the other loade
 import lightning as L  # noqa: E402  (after the loader's import, as a user's script)
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
+from tests.clients.lightning_steps import StepRecorder  # noqa: E402
 
-class Model(L.LightningModule):
-    def __init__(self, workers=2):
-        super().__init__()
-        self.workers = workers
-        self.lin = torch.nn.Linear(1, 1)
-        self.steps = []
 
-    def training_step(self, batch, index):
-        self.steps.append((self.current_epoch, index, batch[0].tolist()))
-        return self.lin(batch[0].float().unsqueeze(1)).sum()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    def train_dataloader(self):
-        return DataLoader(TensorDataset(torch.arange(16)), batch_size=4, shuffle=True,
-                          num_workers=self.workers)
+StepRecorder.loader_class = DataLoader
 
 
 def fit(model, ckpt_path=None):
@@ -48,10 +33,10 @@ def fit(model, ckpt_path=None):
     return model.steps
 
 
-full = fit(Model())
+full = fit(StepRecorder())
 ckpt = os.path.join(ROOT, "step=3.ckpt")
 raw = torch.load(ckpt)   # torch's default: weights_only=True
-Model.load_from_checkpoint(ckpt)
-resumed = fit(Model(int(RESUME_WORKERS)), ckpt)
+StepRecorder.load_from_checkpoint(ckpt)
+resumed = fit(StepRecorder(int(RESUME_WORKERS)), ckpt)
 save(OUT, loader_state="combined_loader" in raw["loops"]["fit_loop"]["state_dict"],
      full_steps=full, resumed_steps=resumed)

@@ -7,9 +7,6 @@ step 6 with RESUME_BATCH_SIZE; and trains 6 steps uninterrupted. Saves the steps
 of both runs."""
 import os
 
-import torch
-from torch.utils.data import TensorDataset
-
 from tests.clients.client_common import parse_argv, save
 
 DataLoader, OUT, (RESUME_BATCH_SIZE,) = parse_argv()
@@ -18,24 +15,10 @@ ROOT = OUT + ".lightning"   # this run's checkpoints, apart from the other loade
 import lightning as L  # noqa: E402  (after the loader's import, as a user's script)
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
+from tests.clients.lightning_steps import StepRecorder  # noqa: E402
 
-class Model(L.LightningModule):
-    def __init__(self, batch_size=4):
-        super().__init__()
-        self.batch_size = batch_size
-        self.lin = torch.nn.Linear(1, 1)
-        self.steps = []
 
-    def training_step(self, batch, index):
-        self.steps.append((self.current_epoch, index, batch[0].tolist()))
-        return self.lin(batch[0].float().unsqueeze(1)).sum()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    def train_dataloader(self):
-        return DataLoader(TensorDataset(torch.arange(16)), batch_size=self.batch_size,
-                          shuffle=True, num_workers=2)
+StepRecorder.loader_class = DataLoader
 
 
 def fit(model, max_steps, root, ckpt_path=None):
@@ -48,7 +31,8 @@ def fit(model, max_steps, root, ckpt_path=None):
     return model.steps
 
 
-full = fit(Model(), 6, ROOT + ".full")
-fit(Model(), 4, ROOT)
-resumed = fit(Model(int(RESUME_BATCH_SIZE)), 6, ROOT, os.path.join(ROOT, "step=4.ckpt"))
+full = fit(StepRecorder(), 6, ROOT + ".full")
+fit(StepRecorder(), 4, ROOT)
+resumed = fit(StepRecorder(batch_size=int(RESUME_BATCH_SIZE)), 6, ROOT,
+              os.path.join(ROOT, "step=4.ckpt"))
 save(OUT, full_steps=full, resumed_steps=resumed)

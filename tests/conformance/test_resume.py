@@ -10,6 +10,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 import fastloader
 from tests.support import resume_datasets as rd
+from tests.support.fault_helpers import workers_cannot_start
 from tests.support.helpers import assert_same_batch_lists, clone_batch, deadline, wait_until
 
 pytestmark = [pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")]
@@ -355,6 +356,16 @@ def _steps(loader, n):
     return it, [clone_batch(next(it)) for _ in range(n)]
 
 
+def _an_epoch_and_a_state_after(ds, k, **kw):
+    """An uninterrupted epoch's batches, and the state of another run after k."""
+    (full,) = epochs(make(ds, **kw), 1)
+    first = make(ds, **kw)
+    it, _ = _steps(first, k)
+    state = first.state_dict()
+    del it
+    return full, state
+
+
 @pytest.mark.parametrize("workers, persistent", [(0, False), (2, False), (2, True)])
 def test_a_state_saved_once_every_batch_was_yielded_starts_the_next_epoch(workers, persistent):
     """As torchdata's StatefulDataLoader: it used to resume an empty epoch, which
@@ -444,12 +455,15 @@ def test_an_epochs_end_without_a_generator_keeps_the_global_rng_the_loop_moved(w
     assert [b.tolist() for b in resumed] == uninterrupted
 
 
+@pytest.mark.parametrize("restores", [True, False])
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("k", [0, 2])
-def test_a_mid_epoch_resume_without_a_generator_gives_the_global_rng_back(workers, k):
+def test_a_mid_epoch_resume_without_a_generator_leaves_the_global_rng_as_saved(
+        workers, k, restores):
     """generator=None: the resumed epoch draws its seeds again from the epoch's
     starting RNG, and left the global RNG there, so the training loop's draws after
-    the resume (dropout, augmentation) repeated the epoch's first ones."""
+    the resume (dropout, augmentation) repeated the epoch's first ones. Whether the
+    job restores its RNG itself (a plain script) or not (Lightning does not)."""
     def loader():
         return fastloader.DataLoader(list(range(16)), batch_size=4, shuffle=True,
                                      num_workers=workers)
@@ -467,7 +481,8 @@ def test_a_mid_epoch_resume_without_a_generator_gives_the_global_rng_back(worker
     torch.manual_seed(99)
     resumed = loader()
     resumed.load_state_dict(state)
-    torch.set_rng_state(rng)   # a restored job restores its RNG with the rest
+    if restores:
+        torch.set_rng_state(rng)
     assert [b.tolist() for b in resumed] == rest
     assert torch.equal(torch.rand(2), uninterrupted_draw)
 
@@ -475,26 +490,13 @@ def test_a_mid_epoch_resume_without_a_generator_gives_the_global_rng_back(worker
 def test_a_loaded_state_survives_an_epoch_that_could_not_start(monkeypatch):
     """No workers could start (no fds left): the state loaded for the epoch was
     taken all the same, and the next iter() restarted the epoch from its start."""
-    from fastloader import iterator as iterator_module
-
     ds = rd.RandomAugmented(24)
     kw = dict(batch_size=4, shuffle=True)
-    (full,) = epochs(make(ds, **kw), 1)
-    first = make(ds, **kw)
-    it, _ = _steps(first, 2)
-    state = first.state_dict()
-    del it
+    full, state = _an_epoch_and_a_state_after(ds, 2, **kw)
     resumed = make(ds, seed=5, **kw)
     resumed.load_state_dict(state)
-    real = iterator_module.WorkerPool
-
-    def out_of_fds(*args, **kwargs):
-        raise OSError(24, "Too many open files")
-
-    monkeypatch.setattr(iterator_module, "WorkerPool", out_of_fds)
-    with pytest.raises(OSError, match="Too many open files"):
+    with workers_cannot_start(monkeypatch), pytest.raises(OSError, match="Too many"):
         iter(resumed)
-    monkeypatch.setattr(iterator_module, "WorkerPool", real)
     assert resumed.state_dict()["next_seq"] == 2
     assert_same_batch_lists(full[2:], [clone_batch(b) for b in resumed], "after the failed start")
 
@@ -537,11 +539,7 @@ def test_a_state_saved_after_loading_and_before_iterating_keeps_its_position(wor
     (a framework saving at once after restoring) restarted the epoch."""
     ds = rd.RandomAugmented(24)
     kw = dict(batch_size=4, shuffle=True, num_workers=workers)
-    (full,) = epochs(make(ds, **kw), 1)
-    first = make(ds, **kw)
-    it, _ = _steps(first, 2)
-    state = first.state_dict()
-    del it
+    full, state = _an_epoch_and_a_state_after(ds, 2, **kw)
     second = make(ds, seed=5, **kw)
     second.load_state_dict(state)
     again = second.state_dict()

@@ -14,7 +14,7 @@ from torch.utils.data import Dataset
 
 import fastloader
 from fastloader import DataLoader, WorkerError
-from tests.support.fault_helpers import QUIET_WORKER_COUNT_WARNING
+from tests.support.fault_helpers import QUIET_WORKER_COUNT_WARNING, workers_cannot_start
 from tests.support.helpers import collect, deadline, is_gone, wait_until
 
 pytestmark = [QUIET_WORKER_COUNT_WARNING]
@@ -134,23 +134,14 @@ def test_a_revival_that_fails_is_tried_again_at_the_next_epoch(tmp_path, monkeyp
     """install(): starting the new workers failed once (no fds, processes or memory
     left): the iterator kept its closed channels and every later epoch raised
     "ValueError: channel is closed"."""
-    from fastloader import iterator as iterator_module
-
     fastloader.install()
     try:
         loader = torch.utils.data.DataLoader(
             DiesOnce(str(tmp_path / "died")), batch_size=1, num_workers=2,
             multiprocessing_context="fork", persistent_workers=True)
         _until_error(iter(loader))
-        real = iterator_module.WorkerPool
-
-        def out_of_fds(*args, **kwargs):
-            raise OSError(24, "Too many open files")
-
-        monkeypatch.setattr(iterator_module, "WorkerPool", out_of_fds)
-        with pytest.raises(OSError, match="Too many open files"):
+        with workers_cannot_start(monkeypatch), pytest.raises(OSError, match="Too many"):
             iter(loader)
-        monkeypatch.setattr(iterator_module, "WorkerPool", real)
         assert [int(b) for b in collect(loader)] == list(range(12))
         assert [int(b) for b in collect(loader)] == list(range(12))
     finally:

@@ -88,3 +88,20 @@ def _read_line(proc, prefix, seconds=60):
                             f"{proc.stderr.read()}")
             if line.startswith(prefix):
                 return line[len(prefix):].strip()
+
+
+@contextlib.contextmanager
+def workers_cannot_start(monkeypatch):
+    """Inside the block, no worker pool can start, as where no fds are left."""
+    from fastloader import iterator
+
+    real = iterator.WorkerPool
+
+    def out_of_fds(*args, **kwargs):
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(iterator, "WorkerPool", out_of_fds)
+    try:
+        yield
+    finally:
+        monkeypatch.setattr(iterator, "WorkerPool", real)
