@@ -352,16 +352,23 @@ _SPARSE_COMPRESSED = {torch.sparse_csr: ("crow_indices", "col_indices"),
 
 def _reduce_tensor(t):
     """A tensor the ring does not carry (the others never get here: persistent_id
-    takes them first). A sparse one is rebuilt as torch's transport rebuilds it,
-    by torch's own function (torch.sparse_coo_tensor() or
-    torch.sparse_compressed_tensor() in the main process: its warnings, its
-    coalesced flag), its index and value tensors through the ring; anything else
-    pickles as it always has."""
-    if t.layout is torch.sparse_coo or t.layout in _SPARSE_COMPRESSED:
+    takes them first). A sparse or a strided-layout nested one is rebuilt as torch's
+    transport rebuilds it, by torch's own function (torch.sparse_coo_tensor(),
+    torch.sparse_compressed_tensor() or a nested view copied from its buffer, in the
+    main process: its warnings, its coalesced flag, its contiguity), its component
+    tensors through the ring; anything else pickles as it always has."""
+    from torch.multiprocessing import reductions
+
+    # a strided-layout nested tensor (a jagged one is a subclass: not here)
+    nested = t.is_nested and hasattr(reductions, "rebuild_nested_tensor")
+    if nested or t.layout is torch.sparse_coo or t.layout in _SPARSE_COMPRESSED:
         if t.requires_grad and not t.is_leaf:
             raise RuntimeError(_NON_LEAF)
-        from torch.multiprocessing import reductions
-
+        if nested:
+            return reductions.rebuild_nested_tensor, (
+                _as_is, (t.values(),), _as_is, (t._nested_tensor_size(),),
+                _as_is, (t._nested_tensor_strides(),),
+                _as_is, (t._nested_tensor_storage_offsets(),))
         if t.layout is torch.sparse_coo:
             return reductions.rebuild_sparse_coo_tensor, (
                 _as_is, (t._indices(),), _as_is, (t._values(),), t.shape, t.is_coalesced())

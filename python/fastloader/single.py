@@ -27,7 +27,7 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         # the loader's state across epochs (session.py); a detached one otherwise
         self._session = session if session is not None else LoaderSession()
         self._resume_state = self._session.take_resume()
-        # set once the resumed epoch's first index is drawn (_next_index)
+        # set once the resumed epoch's skipped indices are drawn (_start_epoch)
         self._global_rng_kept = _resume.global_rng_after_resume(loader.generator,
                                                                 self._resume_state)
         self._loader_generator = loader.generator
@@ -89,12 +89,16 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
             for _ in range(_resume.next_seq(state)):
                 try:
                     index = self._next_index()
-                    if replay:
-                        self._dataset_fetcher.fetch(index)
                 except StopIteration:
                     break
-                except Exception:   # it was the user's to catch in the saved run
-                    pass
+                if replay:
+                    try:
+                        self._dataset_fetcher.fetch(index)
+                    except Exception:   # it was the user's to catch in the saved run
+                        pass
+            if self._global_rng_kept is not None:   # the sampler has drawn its seed
+                kept, self._global_rng_kept = self._global_rng_kept, None
+                _resume.restore_rng(None, kept)
             self._ahead = set(state.get("delivered_ahead", ()))
             if self._ahead:
                 self._next_index = self._next_index_skipping
@@ -103,14 +107,11 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
             self._sampler_rng = _resume.capture_rng(self._loader_generator)
 
     def _next_index(self):
-        if self._global_rng_kept is None:
-            index = super()._next_index()
-        else:
-            try:
-                index = super()._next_index()   # the sampler draws its seed here
-            finally:
-                kept, self._global_rng_kept = self._global_rng_kept, None
-                _resume.restore_rng(None, kept)
+        if not self._draws:
+            # where the sampler starts drawing: a generator-less one draws its seed
+            # from the global RNG now, not at iter() (the loop may draw between)
+            self._sampler_rng = _resume.capture_rng(self._loader_generator)
+        index = super()._next_index()
         self._draws += 1
         return index
 

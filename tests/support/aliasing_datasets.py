@@ -104,8 +104,12 @@ def pickled_object_sharing(i):
 
 def nested_tensors(i):
     parts = [torch.arange(3.0) + i, torch.arange(5.0)]
+    grids = [torch.arange(6.0).reshape(2, 3) + i, torch.arange(3.0).reshape(1, 3)]
+    # torch's transport copies a strided one from its buffer: a transposed one
+    # arrives contiguous
     return {"jagged": torch.nested.nested_tensor(parts, layout=torch.jagged),
-            "strided": torch.nested.nested_tensor(parts)}
+            "strided": torch.nested.nested_tensor(parts),
+            "transposed": torch.nested.nested_tensor(grids).transpose(1, 2)}
 
 
 def storages(i):

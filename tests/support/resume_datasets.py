@@ -386,3 +386,30 @@ class EndlessSampler(torch.utils.data.Sampler):
         while True:
             yield i % self.n
             i += 1
+
+
+class GlobalRandomIndices(torch.utils.data.Sampler):
+    """n indices, each drawn from the global torch RNG as it is asked for."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        for _ in range(self.n):
+            yield int(torch.randint(self.n, ()))
+
+
+class FailsWhenResumed(torch.utils.data.SequentialSampler):
+    """0..n-1; once `armed`, its next iteration raises at its second index."""
+
+    armed = False
+
+    def __iter__(self):
+        for k, index in enumerate(super().__iter__()):
+            if self.armed and k == 1:
+                type(self).armed = False
+                raise OSError("the sampler failed")
+            yield index

@@ -49,7 +49,7 @@ def describe(batch, empty_as_resizable=False):
     def tensor(t):
         if t.is_nested:
             return ("nested", type(t).__name__, str(t.layout), str(t.dtype), t.requires_grad,
-                    [x.tolist() for x in t.unbind()])
+                    t.is_contiguous(), [x.tolist() for x in t.unbind()])
         s = t.untyped_storage()
         group = storages.setdefault(s._cdata, len(storages))
         return ("tensor", type(t).__name__, str(t.dtype), tuple(t.shape), t.stride(),
@@ -219,7 +219,11 @@ def test_batch_aliasing_matches_torch(case, ctx, strategy):
 def test_decoding_copies_no_bytes(case, strategy):
     _, _, outside = results("fork", strategy)
     i = ad.CASE_NAMES.index(case)
-    assert outside[i] == [], f"{case}: copied on arrival: {outside[i]}"
+    # but a strided-layout nested tensor, which torch's transport copies out of its
+    # buffer (contiguous, whatever its strides were), and so does fastloader
+    copied = [entry for entry in outside[i]
+              if not entry[0].startswith(("batch['strided']", "batch['transposed']"))]
+    assert copied == [], f"{case}: copied on arrival: {copied}"
 
 
 # ---- what a training step sees ------------------------------------------------------------
