@@ -83,6 +83,8 @@ class DataLoader(_TorchDataLoader[T_co]):
     def _get_iterator(self):
         session = session_of(self)
         pending = session.pending_resume()
+        # where the loaded state put the generator (the attempt draws from it)
+        rng = _resume.capture_rng(self.generator) if pending is not None else None
         try:
             if self.num_workers == 0:
                 it = SingleProcessIter(self, session)
@@ -95,6 +97,7 @@ class DataLoader(_TorchDataLoader[T_co]):
             # loaded for it is still the next iter()'s, not lost
             if pending is not None and session.pending_resume() is None:
                 session.resume_from(pending)
+                _resume.restore_rng(self.generator, rng)
             raise
         session.started(it)
         return it

@@ -87,6 +87,8 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         resume_state = session.take_resume()
         # set once the resumed epoch's first indices are drawn (_reset)
         self._global_rng_kept = _resume.global_rng_after_resume(loader.generator, resume_state)
+        before_base_seed = _resume.rng_before_base_seed(loader.generator, resume_state,
+                                                        loader.persistent_workers)
         # from torch's line, so that its pin_memory warnings point where torch's do
         torch_sites.base_iter_init(super().__init__, loader)
         self._session = session
@@ -116,11 +118,12 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         self._resume_state = resume_state
         if resume_state is not None and resume_state.get("epoch_done"):
             self._epoch = resume_state["epoch"]   # the next one starts afresh
-            if resume_state.get("persistent", loader.persistent_workers):
+            if before_base_seed is not None:
                 # The saving run's persistent workers drew no seed for this epoch:
-                # undo this new iterator's draw, so its sampler draws that run's
+                # undo this new iterator's draw (only it: a draw the job made since
+                # the state was loaded stays), so its sampler draws that run's
                 # order (its workers start freshly seeded)
-                _resume.restore_rng(self._loader_generator, resume_state["rng_now"])
+                _resume.restore_rng(self._loader_generator, before_base_seed)
                 self._base_seed = resume_state["base_seed"]
         elif resume_state is not None:
             # the workers must be seeded as in the interrupted run

@@ -197,6 +197,19 @@ def global_rng_after_resume(generator, state):
     return state["rng_now"].clone()
 
 
+def rng_before_base_seed(generator, state, persistent=None):
+    """The loader's RNG before a new iterator draws its base seed, where that draw
+    must be undone: a state taken at the end of an epoch of persistent workers,
+    whose saving run drew no seed for its next epoch. Taken then, not the state's
+    own RNG, so that a draw the job made since loading it (validation dropout
+    without a generator) stays. None elsewhere."""
+    if state is None or not state.get("epoch_done"):
+        return None
+    if not state.get("persistent", persistent):
+        return None
+    return capture_rng(generator)
+
+
 def capture_rng(generator):
     return (generator.get_state() if generator is not None else torch.get_rng_state()).clone()
 

@@ -31,6 +31,8 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         self._global_rng_kept = _resume.global_rng_after_resume(loader.generator,
                                                                 self._resume_state)
         self._loader_generator = loader.generator
+        self._before_base_seed = _resume.rng_before_base_seed(loader.generator,
+                                                              self._resume_state)
         self._epoch_done = False
         self._ahead = set()
         # before torch's fetcher calls iter(dataset): a stateful iterable goes back
@@ -67,10 +69,11 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         state, self._resume_state = self._resume_state, None
         if state is not None and state.get("epoch_done"):
             self._epoch = state["epoch"] + 1   # the one after the saved run's
-        if state is not None and state.get("epoch_done") and state.get("persistent"):
+        before, self._before_base_seed = self._before_base_seed, None
+        if state is not None and before is not None:
             # the saving run's persistent workers drew no seed for this epoch, and
-            # torch's iterator here did: undo it, for that run's order
-            _resume.restore_rng(self._loader_generator, state["rng_now"])
+            # torch's iterator here did: undo it (only it), for that run's order
+            _resume.restore_rng(self._loader_generator, before)
         if state is not None and not state.get("epoch_done"):
             self._epoch = state["epoch"]
             if _resume.next_seq(state) or self._loader_generator is not None:

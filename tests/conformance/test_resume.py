@@ -552,6 +552,58 @@ def test_a_sampler_that_raises_while_a_resume_skips_its_indices_raises(workers):
         rd.FailsWhenResumed.armed = False
 
 
+@pytest.mark.parametrize("workers, persistent", [(0, False), (2, False), (2, True)])
+def test_an_epoch_end_state_keeps_the_draws_made_after_loading_it(workers, persistent):
+    """generator=None, a state taken at an epoch's end, then validation draws from
+    the global RNG before the next epoch: resuming a persistent loader set the
+    RNG back to the state's, undoing those draws (its next epoch shuffled
+    otherwise)."""
+    def loader():
+        return fastloader.DataLoader(list(range(12)), batch_size=2, shuffle=True,
+                                     num_workers=workers, persistent_workers=persistent)
+
+    torch.manual_seed(0)
+    first = loader()
+    for _ in first:
+        pass
+    state = first.state_dict()
+    torch.rand(3)   # validation, after the checkpoint
+    uninterrupted = [b.tolist() for b in first], torch.rand(1)
+    torch.manual_seed(9)
+    torch.set_rng_state(state["rng_now"])   # the job restores its RNG with the rest
+    resumed = loader()
+    resumed.load_state_dict(state)
+    torch.rand(3)
+    again = [b.tolist() for b in resumed], torch.rand(1)
+    assert again[0] == uninterrupted[0] and torch.equal(again[1], uninterrupted[1])
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("at_end", [False, True])
+def test_an_epoch_that_could_not_start_leaves_the_generator_for_the_retry(
+        monkeypatch, at_end, persistent):
+    """The failed start drew the iterator's base seed from the generator the state
+    had set: the retry of an epoch-end state shuffled otherwise."""
+    ds = rd.RandomAugmented(12)
+    kw = dict(batch_size=2, shuffle=True, persistent_workers=persistent)
+    first = make(ds, **kw)
+    if at_end:
+        for _ in first:
+            pass
+        state = first.state_dict()
+        expected = [b["i"].tolist() for b in first]
+    else:
+        it, _ = _steps(first, 2)
+        state = first.state_dict()
+        expected = [b["i"].tolist() for b in it]
+        del it
+    resumed = make(ds, seed=5, **kw)
+    resumed.load_state_dict(state)
+    with workers_cannot_start(monkeypatch), pytest.raises(OSError, match="Too many"):
+        iter(resumed)
+    assert [b["i"].tolist() for b in resumed] == expected
+
+
 def test_loading_a_fresh_state_after_another_one_starts_afresh():
     """The last state loaded wins (a fresh one left the earlier one pending)."""
     ds = rd.RandomAugmented(16)
