@@ -76,14 +76,11 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
             _resume.restore_rng(self._loader_generator, before)
         if state is not None and not state.get("epoch_done"):
             self._epoch = state["epoch"]
+            # without a generator and nothing drawn yet in the saved epoch, its
+            # sampler draws its seed at the first batch, from the global RNG as the
+            # saved run had it then (set below), not as the epoch found it
             if _resume.next_seq(state) or self._loader_generator is not None:
                 _resume.restore_rng(self._loader_generator, state["sampler_rng"])
-            elif self._global_rng_kept is not None:
-                # nothing drawn yet in the saved epoch: its sampler draws its seed at
-                # the first batch, from the global RNG as the saved run had it then,
-                # not as the epoch found it
-                kept, self._global_rng_kept = self._global_rng_kept, None
-                _resume.restore_rng(None, kept)
             self._sampler_rng = state["sampler_rng"]
             # skip the batches before the next one due without fetching them (an
             # iterable's are replayed, see _put_iterable_back), and (from a loader
@@ -99,7 +96,7 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
                         self._dataset_fetcher.fetch(index)
                     except Exception:   # it was the user's to catch in the saved run
                         pass
-            if self._global_rng_kept is not None:   # the sampler has drawn its seed
+            if self._global_rng_kept is not None:   # the skipped indices are drawn
                 kept, self._global_rng_kept = self._global_rng_kept, None
                 _resume.restore_rng(None, kept)
             self._ahead = set(state.get("delivered_ahead", ()))
