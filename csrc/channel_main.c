@@ -708,18 +708,20 @@ fl_mainchan_take(fl_state *st, MainChannelObject *c, const fl_result *r)
 static PyObject *
 mainchan_stats(MainChannelObject *c, PyObject *Py_UNUSED(ignored))
 {
-    uint64_t busy = 0, idle = 0, published = 0, overflowed = 0, a_bytes = 0, a_resv = 0;
+    uint64_t busy = 0, idle = 0, published = 0, overflowed = 0, a_bytes = 0, a_resv = 0,
+             main_wakeups = 0;
     /* a forked child does not have the control block mapped (MADV_DONTFORK) */
     if (c->ctl != NULL && c->owner_pid == fl_self_pid()) {
         busy = atomic_load(&c->ctl->busy_ns);
         idle = atomic_load(&c->ctl->idle_ns);
         published = atomic_load(&c->ctl->published);
         overflowed = atomic_load(&c->ctl->overflowed);
+        main_wakeups = atomic_load(&c->ctl->main_wakeups);
         a_bytes = atomic_load(&c->ctl->arena_bytes);
         a_resv = atomic_load(&c->ctl->arena_reserved);
     }
     return Py_BuildValue(
-        "{s:K,s:K,s:K,s:K,s:K,s:K,s:I,s:K,s:K,s:K,s:d,s:d,s:K,s:K,s:K}", "arena_bytes",
+        "{s:K,s:K,s:K,s:K,s:K,s:K,s:I,s:K,s:K,s:K,s:d,s:d,s:K,s:K,s:K,s:K}", "arena_bytes",
         (unsigned long long)a_bytes, "arena_reserved_bytes", (unsigned long long)a_resv,
         "received",
         (unsigned long long)c->n_batches, "received_in_slots", (unsigned long long)c->n_slot,
@@ -729,7 +731,8 @@ mainchan_stats(MainChannelObject *c, PyObject *Py_UNUSED(ignored))
         "slots_retired", (unsigned long long)c->n_retired,
         "busy_s", (double)busy * 1e-9, "idle_s", (double)idle * 1e-9, "published",
         (unsigned long long)published, "overflow_segments", (unsigned long long)overflowed,
-        "wakeups", (unsigned long long)c->n_wakeups);
+        "wakeups", (unsigned long long)c->n_wakeups, "main_wakeups",
+        (unsigned long long)main_wakeups);
 }
 
 static PyObject *

@@ -233,7 +233,7 @@ workerchan_get_task(WorkerChannelObject *w, PyObject *Py_UNUSED(ignored))
         drain_frees(w);
         int spun;
         Py_BEGIN_ALLOW_THREADS
-        spun = fl_spin_wait(&w->spin, task_ready, &w->ring);
+        spun = fl_spin_wait(&w->spin, FL_SPIN_MAX_NS, task_ready, &w->ring);
         Py_END_ALLOW_THREADS
         if (spun)
             continue;
@@ -438,7 +438,8 @@ push_result(WorkerChannelObject *w, const fl_result *r)
     int code = fl_res_push(&w->ring, r);
     if (code != FL_OK)
         return code;
-    fl_wake(&w->ctl->main_waiting, w->efd_main);
+    if (fl_wake(&w->ctl->main_waiting, w->efd_main))
+        atomic_fetch_add_explicit(&w->ctl->main_wakeups, 1, memory_order_relaxed);
     return FL_OK;
 }
 

@@ -72,7 +72,8 @@ struct MainChannelObject {
     uint64_t held;       /* slots of the current arena the consumer still holds */
     uint64_t n_retired;  /* slots never handed back: a fork inherited their batch */
     uint64_t n_wakeups;  /* tasks that found the worker asleep: a system call each */
-    double wait_s;       /* recv() asleep while this worker's result was the one wanted */
+    double wait_s;       /* recv() waiting while this worker's result was the one wanted */
+    fl_spin spin;        /* recv()'s spin for a result (channels[0]'s is used) */
 };
 
 typedef struct {

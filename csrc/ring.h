@@ -62,6 +62,8 @@ typedef struct {
     _Atomic uint64_t idle_ns;                      /* waiting for a task */
     _Atomic uint64_t published;
     _Atomic uint64_t overflowed;
+    _Atomic uint64_t main_wakeups;                 /* results that found the main
+                                                      process asleep: a wake-up each */
     /* the worker's current arena: its size, and the bytes of it reserved so far
      * (slots are reserved as batches first need them, see channel_worker.c) */
     _Atomic uint64_t arena_bytes;

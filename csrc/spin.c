@@ -1,4 +1,4 @@
-/* Adaptive spinning before a worker sleeps: see spin.h. */
+/* Adaptive spinning before a process sleeps: see spin.h. */
 #define _GNU_SOURCE
 #include "spin.h"
 #include <sched.h>
@@ -54,14 +54,14 @@ record(fl_spin *s, int spun_ok)
 }
 
 int
-fl_spin_wait(fl_spin *s, int (*ready)(void *), void *arg)
+fl_spin_wait(fl_spin *s, uint64_t max_ns, int (*ready)(void *), void *arg)
 {
     s->waits++;
     if (s->waits == 1)
         s->score = SCORE_START;
     if ((s->score <= 0 && s->waits % RETRY_EVERY != 0) || !several_cpus())
         return 0;
-    uint64_t until = fl_now_ns() + FL_SPIN_MAX_NS;
+    uint64_t until = fl_now_ns() + max_ns;
     do {
         for (int i = 0; i < 64; i++)
             cpu_relax();

@@ -1,4 +1,5 @@
-/* Adaptive spinning before a worker sleeps for its next task.
+/* Adaptive spinning before a process sleeps: a worker for its next task, and
+ * (where a CPU is spare, see recv.c) the main process for its next batch.
  *
  * Waking a sleeping worker costs the main process a system call and, when the
  * worker's CPU is idle, an inter-processor interrupt: measured on a 2-vCPU KVM
@@ -15,7 +16,7 @@
 
 #include <stdint.h>
 
-/* The longest a worker spins before it sleeps. */
+/* The longest a worker spins for a task before it sleeps. */
 #define FL_SPIN_MAX_NS 50000u
 
 typedef struct {
@@ -23,9 +24,10 @@ typedef struct {
     uint32_t waits;     /* waits since the start, to re-try now and then */
 } fl_spin;
 
-/* Spin for at most FL_SPIN_MAX_NS while ready(arg) is 0, if recent spins paid
- * off. Returns 1 if ready() turned true while spinning. Call without the GIL. */
-int fl_spin_wait(fl_spin *s, int (*ready)(void *), void *arg);
+/* Spin for at most max_ns while ready(arg) is 0, if recent spins paid off.
+ * Returns 1 if ready() turned true while spinning. Call without the GIL; one
+ * thread at a time per fl_spin. */
+int fl_spin_wait(fl_spin *s, uint64_t max_ns, int (*ready)(void *), void *arg);
 
 /* CLOCK_MONOTONIC in nanoseconds (the spin's clock, and the worker's busy/idle
  * accounting's). */

@@ -26,6 +26,7 @@ from . import stats as _stats
 from . import torch_sites
 from .distributed import rank_info
 from .index_batches import as_list, sequential_batches
+from .main_spin import main_spin_ns
 from .metadata_warning import warn_if_heavy_metadata
 from .pin_ahead import PinAhead
 from .pool import WorkerPool, WorkerSpec
@@ -109,6 +110,8 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         # bookkeeping, and a worker that runs ahead would wake it for each result).
         # With a timeout, any result restarts the clock, as in torch: all wake it.
         self._wake_on_due_only = self._in_order and self._recv_timeout is None
+        # with a CPU to spare, spin for a batch rather than make its worker wake us
+        self._spin_ns = main_spin_ns(self._num_workers)
         # a torch DataLoader given fastloader's transport by install() has none
         self.sharing_strategy = getattr(loader, "sharing_strategy", strategy)
         self._shutdown = False
@@ -353,7 +356,8 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         whose batch is due; with `only_prefer`, only its result ends a sleep, see
         _core.recv); recv() times any wait for the epoch's stats."""
         try:
-            got = _core.recv(self._channels, prefer, self._recv_timeout, only_prefer)
+            got = _core.recv(self._channels, prefer, self._recv_timeout, only_prefer,
+                             self._spin_ns)
         except KeyboardInterrupt:
             self._interrupted()
             raise
