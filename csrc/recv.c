@@ -35,24 +35,44 @@ has_result(PyObject *chans, Py_ssize_t k)
     return !fl_res_empty(&((MainChannelObject *)PyTuple_GET_ITEM(chans, k))->ring);
 }
 
-/* What the spin watches (fl_spin_wait's ready(), called without the GIL: the
- * caller's tuple keeps the channels alive, and a ring is read lock-free). */
+/* What the spin watches: the rings, gathered with the GIL held, since
+ * fl_spin_wait's ready() runs without it (the caller's tuple keeps the channels,
+ * and so their control blocks, alive; a ring is read lock-free). */
 typedef struct {
-    PyObject *chans;
-    Py_ssize_t n, prefer;
-    int only_prefer;
+    const fl_ring **rings;
+    Py_ssize_t n;
 } spin_watch;
 
 static int
 result_ready(void *arg)
 {
     const spin_watch *w = arg;
-    if (w->only_prefer)
-        return has_result(w->chans, w->prefer);
     for (Py_ssize_t k = 0; k < w->n; k++)
-        if (has_result(w->chans, k))
+        if (!fl_res_empty(w->rings[k]))
             return 1;
     return 0;
+}
+
+/* Spin up to `most` ns for a result of prefer's channel (only_prefer) or any
+ * channel's; the score is channels[0]'s. Returns whether one came. */
+static int
+spin_for_result(PyObject *chans, Py_ssize_t n, Py_ssize_t prefer, int only_prefer,
+                uint64_t most)
+{
+    Py_ssize_t watched = only_prefer ? 1 : n;
+    const fl_ring **rings = PyMem_Malloc((size_t)watched * sizeof(*rings));
+    if (rings == NULL)
+        return 0;   /* no spin: sleep as without one */
+    for (Py_ssize_t k = 0; k < watched; k++)
+        rings[k] = &((MainChannelObject *)PyTuple_GET_ITEM(chans, (prefer + k) % n))->ring;
+    spin_watch watch = {rings, watched};
+    fl_spin *score = &((MainChannelObject *)PyTuple_GET_ITEM(chans, 0))->spin;
+    int caught;
+    Py_BEGIN_ALLOW_THREADS
+    caught = fl_spin_wait(score, most, result_ready, &watch);
+    Py_END_ALLOW_THREADS
+    PyMem_Free(rings);
+    return caught;
 }
 
 PyDoc_STRVAR(recv_doc,
@@ -137,16 +157,12 @@ fl_recv(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             uint64_t most = (uint64_t)spin_ns;
             if (timeout >= 0)
                 most = left <= 0 ? 0 : left * 1e9 < (double)most ? (uint64_t)(left * 1e9) : most;
-            spin_watch watch = {chans, n, prefer, only_prefer};
-            MainChannelObject *c0 = (MainChannelObject *)PyTuple_GET_ITEM(chans, 0);
-            int caught = 0;
-            if (most > 0) {
-                Py_BEGIN_ALLOW_THREADS
-                caught = fl_spin_wait(&c0->spin, most, result_ready, &watch);
-                Py_END_ALLOW_THREADS
-            }
-            if (caught)
+            if (most > 0 && spin_for_result(chans, n, prefer, only_prefer, most))
                 continue;
+            /* a signal that came while spinning would not interrupt the poll
+             * below: its handler (Ctrl-C) runs now, not a slice later */
+            if (PyErr_CheckSignals() < 0)
+                goto done;
         }
         /* announce that we sleep (to prefer alone if only_prefer), then look once
          * more (see fl_wake) */

@@ -1,6 +1,7 @@
 /* Adaptive spinning before a process sleeps: see spin.h. */
 #define _GNU_SOURCE
 #include "spin.h"
+#include "self_pid.h"
 #include <sched.h>
 #include <time.h>
 #include <unistd.h>
@@ -24,15 +25,19 @@ cpu_relax(void)
 }
 
 /* Spinning helps only where another CPU can run the process that will hand us
- * work; with one usable CPU it only delays that process. */
+ * work; with one usable CPU it only delays that process. Cached per process: a
+ * forked worker asks again (its worker_init_fn may have narrowed its affinity). */
 static int
 several_cpus(void)
 {
     static int cached = -1;
-    if (cached < 0) {
+    static pid_t cached_for = 0;
+    pid_t me = fl_self_pid();
+    if (cached < 0 || cached_for != me) {
         cpu_set_t set;
         cached = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) > 1
                                                               : sysconf(_SC_NPROCESSORS_ONLN) > 1;
+        cached_for = me;
     }
     return cached;
 }

@@ -1,71 +1,126 @@
-"""The main process spins for its next batch only where a CPU is spare beside its
-workers (and the other ranks' on this node): then the workers never pay for waking
-it. Where the workers use every CPU, a cgroup quota says fewer, or
-FASTLOADER_MAIN_SPIN=0, it sleeps as before."""
+"""The main process spins for its next batch only where a CPU is spare beside the
+workers of every loader it runs (and the other ranks' on this node): then the
+workers never pay for waking it. Where the workers use every CPU, a cgroup quota
+says fewer, another loader runs, or FASTLOADER_MAIN_SPIN=0, it sleeps as before."""
+import gc
+import glob
 import os
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
 
 import fastloader
-from fastloader import main_spin
+from fastloader import main_spin, pool
 from tests.support import datasets as ds
 from tests.support.helpers import deadline
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPUS = sorted(os.sched_getaffinity(0))
 SPIN = main_spin.MAIN_SPIN_NS
+# what launchers set: a test's child must not inherit the runner's
+RANK_VARIABLES = ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE",
+                  "MPI_LOCALNRANKS", "WORLD_SIZE", "RANK", "FASTLOADER_MAIN_SPIN")
+CGROUP_PREFIX = "fastloader-test-"
+
+two_cpus_no_quota = pytest.mark.skipif(
+    len(CPUS) < 2 or main_spin.cgroup_cpu_limit() is not None,
+    reason="needs two usable CPUs and no cgroup CPU quota")
 
 
 def main_wakeups(it):
     return sum(w["main_wakeups"] for w in it.stats(memory=False)["workers"])
 
 
-def wakeups_over_three_slow_batches(loader):
-    """The worker's wake-ups of the main process while it waits for batches 2-4,
-    each 0.15 s of the worker's time (the first includes the worker's start)."""
-    it = iter(loader)
+def slow_loader():
+    """One worker, each batch 0.15 s of its time."""
+    return fastloader.DataLoader(ds.SlowDataset(n=8, delay=0.15), batch_size=1,
+                                 num_workers=1, persistent_workers=True)
+
+
+def wakeups_over_three_slow_batches(*loaders):
+    """The workers' wake-ups of the main process while it waits for batches 2-4
+    (the first includes the workers' start), the loaders iterated side by side."""
+    its = [iter(loader) for loader in loaders]
     with deadline(60):
-        next(it)
-        before = main_wakeups(it)
-        for _ in range(3):
+        for it in its:
             next(it)
-        return main_wakeups(it) - before
+        before = sum(main_wakeups(it) for it in its)
+        for _ in range(3):
+            for it in its:
+                next(it)
+        return sum(main_wakeups(it) for it in its) - before
 
 
-@pytest.mark.skipif(len(CPUS) < 2, reason="needs a CPU to spare beside one worker")
-def test_a_loader_with_a_cpu_to_spare_is_not_woken_for_its_batches(monkeypatch):
-    # a spin that outlasts a 0.15 s batch, so that a loaded box cannot end it early
+@pytest.fixture
+def long_spin(monkeypatch):
+    """A spin that outlasts a 0.15 s batch, so that a loaded box cannot end it
+    early; a plain environment (no launcher variables, the spin not turned off)."""
+    for name in RANK_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(main_spin, "MAIN_SPIN_NS", 5_000_000_000)
-    loader = fastloader.DataLoader(ds.SlowDataset(n=8, delay=0.15), batch_size=1,
-                                   num_workers=1, persistent_workers=True)
-    assert wakeups_over_three_slow_batches(loader) == 0
+    if main_spin.main_spin_ns(1) == 0:
+        pytest.skip("no CPU to spare beside one worker here")
 
+
+def test_a_loader_with_a_cpu_to_spare_is_not_woken_for_its_batches(long_spin, monkeypatch):
+    assert wakeups_over_three_slow_batches(slow_loader()) == 0
     monkeypatch.setenv("FASTLOADER_MAIN_SPIN", "0")
-    loader = fastloader.DataLoader(ds.SlowDataset(n=8, delay=0.15), batch_size=1,
-                                   num_workers=1, persistent_workers=True)
-    assert wakeups_over_three_slow_batches(loader) >= 2   # asleep for (nearly) each
+    assert wakeups_over_three_slow_batches(slow_loader()) >= 2   # asleep for (nearly) each
 
 
-def spin_in_child(cpus, env=None, workers=(1, 2), cgroup_procs=None):
+@two_cpus_no_quota
+def test_a_second_loaders_workers_take_the_spare_cpu(long_spin):
+    """Two 1-worker loaders side by side on 2 CPUs (zip, a combined loader): their
+    workers use both CPUs, so neither main-process wait spins."""
+    assert wakeups_over_three_slow_batches(slow_loader(), slow_loader()) >= 4
+
+
+def test_live_workers_count_a_pool_until_it_is_reaped_or_collected():
+    base = pool.live_workers()
+    loader = fastloader.DataLoader(ds.TensorLabelDataset(16), batch_size=4, num_workers=2)
+    it = iter(loader)
+    assert pool.live_workers() == base + 2
+    with deadline(60):
+        list(it)
+    # the epoch's end retires the pool: the reaper thread reaps it shortly
+    give_up = time.monotonic() + 60
+    while pool.live_workers() != base and time.monotonic() < give_up:
+        time.sleep(0.05)
+    assert pool.live_workers() == base
+
+    it = iter(fastloader.DataLoader(ds.TensorLabelDataset(16), batch_size=4, num_workers=1,
+                                    persistent_workers=True))
+    next(it)
+    assert pool.live_workers() == base + 1
+    it._shutdown_workers()
+    assert pool.live_workers() == base
+    del it
+    gc.collect()
+    assert pool.live_workers() == base   # counted off once, not again when collected
+
+
+def spin_in_child(cpus, env=None, workers=(1, 2), pin_memory=False, cgroup_procs=None):
     """main_spin_ns(w) for each w, in a fresh interpreter on `cpus` (and in a
-    cgroup, where `cgroup_procs` names its cgroup.procs file)."""
-    def place():
-        os.sched_setaffinity(0, cpus)
-        if cgroup_procs is not None:
-            with open(cgroup_procs, "w") as f:
-                f.write(str(os.getpid()))
-    code = ("import sys; from fastloader.main_spin import main_spin_ns; "
-            "print(*[main_spin_ns(int(w)) for w in sys.argv[1:]])")
-    child_env = {k: v for k, v in os.environ.items()
-                 if k not in ("LOCAL_WORLD_SIZE", "FASTLOADER_MAIN_SPIN")}
+    cgroup, where `cgroup_procs` names its cgroup.procs file). The child places
+    itself: no preexec_fn in a process with threads."""
+    code = ("import os, sys\n"
+            "cpus, procs, pin = sys.argv[1], sys.argv[2], sys.argv[3] == '1'\n"
+            "os.sched_setaffinity(0, [int(c) for c in cpus.split(',')])\n"
+            "if procs:\n"
+            "    with open(procs, 'w') as f: f.write(str(os.getpid()))\n"
+            "from fastloader.main_spin import main_spin_ns\n"
+            "print(*[main_spin_ns(int(w), pin) for w in sys.argv[4:]])\n")
+    child_env = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES}
     child_env.update(env or {})
     child_env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "python"), ROOT])
-    out = subprocess.run([sys.executable, "-c", code, *map(str, workers)], env=child_env,
-                         preexec_fn=place, capture_output=True, text=True, timeout=120,
-                         check=True)
+    args = [",".join(map(str, cpus)), cgroup_procs or "", "1" if pin_memory else "0",
+            *map(str, workers)]
+    out = subprocess.run([sys.executable, "-c", code, *args], env=child_env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
     return [int(v) for v in out.stdout.split()]
 
 
@@ -73,60 +128,112 @@ def test_one_usable_cpu_never_spins():
     assert spin_in_child(CPUS[:1]) == [0, 0]
 
 
-@pytest.mark.skipif(len(CPUS) < 2, reason="needs two usable CPUs")
+@two_cpus_no_quota
 def test_two_cpus_spin_beside_one_worker_only():
     assert spin_in_child(CPUS[:2]) == [SPIN, 0]
 
 
-@pytest.mark.skipif(len(CPUS) < 2, reason="needs two usable CPUs")
-@pytest.mark.parametrize("env", [{"LOCAL_WORLD_SIZE": "2"}, {"FASTLOADER_MAIN_SPIN": "0"}],
-                         ids=["two-ranks-on-the-node", "turned-off"])
+@two_cpus_no_quota
+def test_a_pin_thread_takes_the_spare_cpu():
+    assert spin_in_child(CPUS[:2], pin_memory=True) == [0, 0]
+
+
+@two_cpus_no_quota
+@pytest.mark.parametrize("env", [{"LOCAL_WORLD_SIZE": "2"}, {"SLURM_NTASKS_PER_NODE": "2"},
+                                 {"OMPI_COMM_WORLD_LOCAL_SIZE": "2"},
+                                 {"WORLD_SIZE": "2", "RANK": "1"},
+                                 {"FASTLOADER_MAIN_SPIN": "0"}],
+                         ids=["torchrun", "slurm", "openmpi", "no-local-size", "turned-off"])
 def test_other_ranks_on_the_node_or_the_switch_stop_the_spin(env):
     assert spin_in_child(CPUS[:2], env) == [0, 0]
 
 
-def write(path, text):
+@two_cpus_no_quota
+def test_one_rank_per_node_of_a_bigger_job_still_spins():
+    assert spin_in_child(CPUS[:2], {"LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": "8",
+                                    "RANK": "3"}) == [SPIN, 0]
+
+
+def write(path, text, mode="w"):
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
+    with open(path, mode) as f:
         f.write(text)
 
 
+def mountinfo_line(mount_root, point, fstype, superoptions):
+    return f"30 20 0:27 {mount_root} {point} rw,relatime - {fstype} {fstype} {superoptions}\n"
+
+
+def limit(tmp_path):
+    return main_spin.cgroup_cpu_limit(str(tmp_path / "cgroup"), str(tmp_path / "mountinfo"))
+
+
 def test_the_tightest_cgroup_v2_quota_on_the_way_up_counts(tmp_path):
-    write(tmp_path / "proc", "0::/job/step\n")
-    write(str(tmp_path / "fs" / "job" / "cpu.max"), "150000 100000\n")
-    write(str(tmp_path / "fs" / "job" / "step" / "cpu.max"), "max 100000\n")
-    assert main_spin.cgroup_cpu_limit(str(tmp_path / "proc"), str(tmp_path / "fs")) == 1.5
-    write(str(tmp_path / "fs" / "job" / "cpu.max"), "max 100000\n")
-    assert main_spin.cgroup_cpu_limit(str(tmp_path / "proc"), str(tmp_path / "fs")) is None
+    fs = tmp_path / "fs"
+    write(tmp_path / "cgroup", "0::/job/step\n")
+    write(tmp_path / "mountinfo", mountinfo_line("/", fs, "cgroup2", "rw"))
+    write(str(fs / "job" / "cpu.max"), "150000 100000\n")
+    write(str(fs / "job" / "step" / "cpu.max"), "max 100000\n")
+    assert limit(tmp_path) == 1.5
+    write(str(fs / "job" / "cpu.max"), "max 100000\n")
+    assert limit(tmp_path) is None
 
 
-def test_a_cgroup_v1_cfs_quota_counts(tmp_path):
-    write(tmp_path / "proc", "4:memory:/m\n2:cpu,cpuacct:/pod/c\n0::/\n")
-    base = tmp_path / "fs" / "cpu,cpuacct" / "pod"
-    write(str(base / "cpu.cfs_quota_us"), "50000\n")
-    write(str(base / "cpu.cfs_period_us"), "100000\n")
-    write(str(base / "c" / "cpu.cfs_quota_us"), "-1\n")
-    write(str(base / "c" / "cpu.cfs_period_us"), "100000\n")
-    assert main_spin.cgroup_cpu_limit(str(tmp_path / "proc"), str(tmp_path / "fs")) == 0.5
+@pytest.mark.parametrize("mount_dir", ["cpu,cpuacct", "cpuacct,cpu", "elsewhere"])
+def test_a_cgroup_v1_cfs_quota_counts_wherever_cpu_is_mounted(tmp_path, mount_dir):
+    point = tmp_path / "fs" / mount_dir
+    write(tmp_path / "cgroup", "4:memory:/m\n2:cpu,cpuacct:/pod/c\n0::/\n")
+    write(tmp_path / "mountinfo",
+          mountinfo_line("/", tmp_path / "fs" / "memory", "cgroup", "rw,memory")
+          + mountinfo_line("/", point, "cgroup", "rw,cpu,cpuacct"))
+    write(str(point / "pod" / "cpu.cfs_quota_us"), "50000\n")
+    write(str(point / "pod" / "cpu.cfs_period_us"), "100000\n")
+    write(str(point / "pod" / "c" / "cpu.cfs_quota_us"), "-1\n")
+    write(str(point / "pod" / "c" / "cpu.cfs_period_us"), "100000\n")
+    assert limit(tmp_path) == 0.5
 
 
-def test_unreadable_or_garbled_cgroup_files_mean_no_quota(tmp_path):
-    assert main_spin.cgroup_cpu_limit(str(tmp_path / "missing"), str(tmp_path)) is None
-    write(tmp_path / "proc", "0::/a\n")
-    write(str(tmp_path / "fs" / "a" / "cpu.max"), "lots\n")
-    assert main_spin.cgroup_cpu_limit(str(tmp_path / "proc"), str(tmp_path / "fs")) is None
+def test_a_container_without_its_own_cgroup_namespace_finds_its_quota(tmp_path):
+    """/proc/self/cgroup shows the full path; the container's mount starts below."""
+    point = tmp_path / "fs" / "cpu"
+    write(tmp_path / "cgroup", "3:cpu:/docker/abc/inner\n")
+    write(tmp_path / "mountinfo", mountinfo_line("/docker/abc", point, "cgroup", "rw,cpu"))
+    write(str(point / "inner" / "cpu.cfs_quota_us"), "50000\n")
+    write(str(point / "inner" / "cpu.cfs_period_us"), "100000\n")
+    assert limit(tmp_path) == 0.5
+
+
+def test_unreadable_odd_or_garbled_cgroup_files_mean_no_quota(tmp_path):
+    assert limit(tmp_path) is None   # no such files
+    fs = tmp_path / "fs"
+    write(tmp_path / "mountinfo", mountinfo_line("/", fs, "cgroup2", "rw") + "garbage\n")
+    write(str(tmp_path / "cgroup"), b"0::/job\xff/step\n", mode="wb")   # not UTF-8
+    assert limit(tmp_path) is None
+    write(tmp_path / "cgroup", "0::/a\n")
+    write(str(fs / "a" / "cpu.max"), "lots\n")
+    assert limit(tmp_path) is None
+
+
+def _sweep_test_cgroups(base):
+    """Test cgroups a killed run left behind (empty once its child exited)."""
+    for path in glob.glob(os.path.join(base, CGROUP_PREFIX + "*")):
+        try:
+            os.rmdir(path)
+        except OSError:
+            pass
 
 
 def _cpu_cgroup_with_one_cpu():
     """A real cgroup (v2, or v1's cpu controller) allowing one CPU, or None where
     this process may not make one. Returns (directory, its cgroup.procs)."""
-    name = f"fastloader-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    name = f"{CGROUP_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
     for base, files in (("/sys/fs/cgroup", {"cpu.max": "100000 100000"}),
                         ("/sys/fs/cgroup/cpu", {"cpu.cfs_period_us": "100000",
                                                 "cpu.cfs_quota_us": "100000"})):
-        path = os.path.join(base, name)
         if not os.path.exists(os.path.join(base, "cgroup.procs")):
             continue   # not a cgroup hierarchy (v1 mounts a tmpfs at the top)
+        _sweep_test_cgroups(base)
+        path = os.path.join(base, name)
         try:
             os.mkdir(path)
         except OSError:
@@ -141,7 +248,7 @@ def _cpu_cgroup_with_one_cpu():
     return None
 
 
-@pytest.mark.skipif(len(CPUS) < 2, reason="needs two usable CPUs")
+@two_cpus_no_quota
 def test_a_real_cgroup_quota_of_one_cpu_stops_the_spin():
     made = _cpu_cgroup_with_one_cpu()
     if made is None:

@@ -26,10 +26,10 @@ from . import stats as _stats
 from . import torch_sites
 from .distributed import rank_info
 from .index_batches import as_list, sequential_batches
-from .main_spin import main_spin_ns
+from .main_spin import MainSpin
 from .metadata_warning import warn_if_heavy_metadata
 from .pin_ahead import PinAhead
-from .pool import WorkerPool, WorkerSpec
+from .pool import WorkerPool, WorkerSpec, live_workers
 from .protocol import (
     RES_BATCH_SNAP, RES_DEAD, RES_ERROR, RES_ITER_END, RES_RESUMED, TASK_CONTROL, TASK_PICKLE,
     TASK_RESUME, WHERE_NONE, encode_control,
@@ -111,7 +111,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         # With a timeout, any result restarts the clock, as in torch: all wake it.
         self._wake_on_due_only = self._in_order and self._recv_timeout is None
         # with a CPU to spare, spin for a batch rather than make its worker wake us
-        self._spin_ns = main_spin_ns(self._num_workers)
+        self._main_spin = MainSpin(self._pin_memory)
         # a torch DataLoader given fastloader's transport by install() has none
         self.sharing_strategy = getattr(loader, "sharing_strategy", strategy)
         self._shutdown = False
@@ -357,7 +357,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         _core.recv); recv() times any wait for the epoch's stats."""
         try:
             got = _core.recv(self._channels, prefer, self._recv_timeout, only_prefer,
-                             self._spin_ns)
+                             self._main_spin.ns(live_workers()))
         except KeyboardInterrupt:
             self._interrupted()
             raise

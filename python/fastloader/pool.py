@@ -43,6 +43,34 @@ os.register_at_fork(after_in_child=MAIN_FDS.clear)
 _LIVE_POOLS: "weakref.WeakSet[WorkerPool]" = weakref.WeakSet()
 _LIVE_LOCK = threading.Lock()
 
+# The workers of this process's pools, from their start until they are reaped (or
+# the pool is collected): the main process's spin rule (main_spin.py) reads it per
+# batch, so it is one int, not a walk over the pools. Its own lock, re-entrant: a
+# pool collected by a garbage collection that runs while this thread holds it
+# uncounts itself from its finalizer.
+_live_workers = 0
+_COUNT_LOCK = threading.RLock()
+
+
+def live_workers() -> int:
+    """Worker processes this process has started and not yet reaped."""
+    return _live_workers
+
+
+def _add_workers(n: int, pid: int) -> None:
+    global _live_workers
+    if os.getpid() == pid:   # a forked child's copies of its parent's pools count 0
+        with _COUNT_LOCK:
+            _live_workers += n
+
+
+def _forget_parents_workers() -> None:
+    global _live_workers
+    _live_workers = 0
+
+
+os.register_at_fork(after_in_child=_forget_parents_workers)
+
 
 @dataclass
 class WorkerSpec:
@@ -201,6 +229,9 @@ class WorkerPool:
             shm_sweep.sweep_dead_loaders()
         with _LIVE_LOCK:
             _LIVE_POOLS.add(self)
+        _add_workers(len(specs), self.owner_pid)
+        # uncounted once, at whichever comes first: reaped, or collected
+        self._uncount = weakref.finalize(self, _add_workers, -len(specs), self.owner_pid)
         _exit_hook_for_this_process()
         try:
             self._start_all(context, specs, strategy, (task_capacity, result_capacity, task_window))
@@ -383,6 +414,7 @@ class WorkerPool:
                 pass
         with _LIVE_LOCK:
             _LIVE_POOLS.discard(self)
+        self._uncount()
 
     def _release_channels(self):
         for ch in self.channels:
@@ -426,6 +458,7 @@ class WorkerPool:
             return False   # a join elsewhere holds one: look again shortly
         with _LIVE_LOCK:
             _LIVE_POOLS.discard(self)
+        self._uncount()
         return True
 
 

@@ -26,8 +26,9 @@ def _memory(pid):
 class EpochCounters:
     """What the main process counts during one epoch: batches delivered (by where
     they travelled, and per worker) and the time it waited for data. The waiting
-    is timed in C by recv(), only when it sleeps, per channel (MainChannel.wait_s,
-    which spans the channel's life): an epoch's is the growth since its start, plus
+    is timed in C by recv(), only when it waits (spinning or asleep), per channel
+    (MainChannel.wait_s, which spans the channel's life): an epoch's is the growth
+    since its start, plus
     what the main process waited for the pin thread (pinned_wait)."""
 
     __slots__ = ("epoch", "started", "by_where", "by_worker", "_channels", "_wait_base",

@@ -4,6 +4,7 @@ and an interrupt to another CPU); the worker counts each wake-up it paid for in
 stats()["main_wakeups"]. The spin never outlasts the caller's timeout, and the
 time spent spinning is waiting for data like a sleep."""
 import os
+import signal
 import threading
 import time
 
@@ -25,9 +26,15 @@ def pair():
         yield channels
 
 
-def publish_later(worker, seq):
+@pytest.fixture
+def two_pairs():
+    with loopback_channels("spin0") as first, loopback_channels("spin1") as second:
+        yield first, second
+
+
+def publish_later(worker, seq, after=PUBLISH_AFTER_S):
     def run():
-        time.sleep(PUBLISH_AFTER_S)
+        time.sleep(after)
         worker.publish(_core.RES_BATCH, seq, {"seq": seq})
     t = threading.Thread(target=run)
     t.start()
@@ -39,23 +46,40 @@ def test_a_spinning_main_process_takes_the_batch_and_the_worker_wakes_no_one(pai
     main, worker = pair
     t = publish_later(worker, 5)
     started = time.perf_counter()
+    cpu = time.thread_time()
     got = _core.recv((main,), 0, 30.0, True, LONG_SPIN_NS)
-    took = time.perf_counter() - started
+    spent = time.thread_time() - cpu
     t.join()
     assert got[:2] == (0, 5) and got[3] == {"seq": 5}
     assert main.stats()["main_wakeups"] == 0    # it never slept: nothing to wake
     assert main.wait_s >= PUBLISH_AFTER_S - 0.02, main.wait_s   # a data stall all the same
-    assert took < 5.0, took
+    assert spent > 0.05, spent   # it spun: the wait was spent on a CPU
+
+
+@needs_two_cpus
+def test_with_only_prefer_the_spin_waits_for_the_due_workers_result(two_pairs):
+    """Worker 1 publishes first, during the spin: in order it cannot be yielded, so
+    the spin goes on until worker 0's result, which is returned first."""
+    (main0, worker0), (main1, worker1) = two_pairs
+    mains = (main0, main1)
+    early = publish_later(worker1, 8, after=0.05)
+    due = publish_later(worker0, 7, after=0.4)
+    got = _core.recv(mains, 0, 30.0, True, LONG_SPIN_NS)
+    early.join()
+    due.join()
+    assert got[1] == 7, got   # (both loopback channels are worker 0's: tell by seq)
+    assert _core.recv(mains, 0, 0.0, True)[1] == 8
+    assert main0.stats()["main_wakeups"] == main1.stats()["main_wakeups"] == 0
 
 
 def test_without_a_spin_the_worker_pays_for_waking_the_main_process(pair):
     main, worker = pair
-    t = publish_later(worker, 6)
+    t = publish_later(worker, 6, after=0.5)   # the main process sleeps long before
     got = _core.recv((main,), 0, 30.0, True, 0)
     t.join()
     assert got[:2] == (0, 6)
     assert main.stats()["main_wakeups"] == 1
-    assert main.wait_s >= PUBLISH_AFTER_S - 0.02, main.wait_s
+    assert main.wait_s >= 0.5 - 0.02, main.wait_s
 
 
 @needs_two_cpus
@@ -65,7 +89,27 @@ def test_a_spin_never_runs_past_the_timeout(pair):
     assert _core.recv((main,), 0, 0.3, True, LONG_SPIN_NS) is None
     took = time.perf_counter() - started
     assert 0.3 - 0.02 <= took < 3.0, took   # the 5 s spin was cut at the deadline
+    started = time.perf_counter()
     assert _core.recv((main,), 0, 0.0, True, LONG_SPIN_NS) is None   # a poll: no spin
+    assert time.perf_counter() - started < 2.0
+
+
+@needs_two_cpus
+def test_ctrl_c_during_a_spin_is_raised_when_the_spin_ends_not_a_sleep_later(pair):
+    """The signal comes while the main process spins (GIL released, signals
+    pending): the poll after the spin would not be interrupted by it, so it must
+    be raised before sleeping, not at the end of the poll's 100 ms slice."""
+    main, _worker = pair
+    spin_s = 0.3
+    timer = threading.Timer(0.05, signal.pthread_kill,
+                            (threading.main_thread().ident, signal.SIGINT))
+    timer.start()
+    started = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        _core.recv((main,), 0, 30.0, True, int(spin_s * 1e9))
+    took = time.perf_counter() - started
+    timer.join()
+    assert took < spin_s + 0.08, took   # one slice later would be spin_s + 0.1
 
 
 def test_recv_refuses_a_wrong_number_of_arguments(pair):
