@@ -157,12 +157,15 @@ fl_recv(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             uint64_t most = (uint64_t)spin_ns;
             if (timeout >= 0)
                 most = left <= 0 ? 0 : left * 1e9 < (double)most ? (uint64_t)(left * 1e9) : most;
-            if (most > 0 && spin_for_result(chans, n, prefer, only_prefer, most))
-                continue;
-            /* a signal that came while spinning would not interrupt the poll
-             * below: its handler (Ctrl-C) runs now, not a slice later */
+            int caught = most > 0 && spin_for_result(chans, n, prefer, only_prefer, most);
+            /* a signal that came while spinning runs its handler now: before a
+             * result the spin caught is taken (a KeyboardInterrupt raised on our
+             * return would lose it), and before the poll below, which it would
+             * not interrupt (Ctrl-C would wait a slice) */
             if (PyErr_CheckSignals() < 0)
                 goto done;
+            if (caught)
+                continue;
         }
         /* announce that we sleep (to prefer alone if only_prefer), then look once
          * more (see fl_wake) */

@@ -13,9 +13,9 @@ import uuid
 import pytest
 
 import fastloader
-from fastloader import main_spin, pool
+from fastloader import cgroup_cpus, main_spin, pool
 from tests.support import datasets as ds
-from tests.support.helpers import deadline
+from tests.support.helpers import deadline, settle
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPUS = sorted(os.sched_getaffinity(0))
@@ -26,7 +26,7 @@ RANK_VARIABLES = ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_
 CGROUP_PREFIX = "fastloader-test-"
 
 two_cpus_no_quota = pytest.mark.skipif(
-    len(CPUS) < 2 or main_spin.cgroup_cpu_limit() is not None,
+    len(CPUS) < 2 or cgroup_cpus.cpu_quota() is not None,
     reason="needs two usable CPUs and no cgroup CPU quota")
 
 
@@ -57,7 +57,9 @@ def wakeups_over_three_slow_batches(*loaders):
 @pytest.fixture
 def long_spin(monkeypatch):
     """A spin that outlasts a 0.15 s batch, so that a loaded box cannot end it
-    early; a plain environment (no launcher variables, the spin not turned off)."""
+    early; a plain environment (no launcher variables, the spin not turned off),
+    and no other test's workers still counted."""
+    settle()
     for name in RANK_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(main_spin, "MAIN_SPIN_NS", 5_000_000_000)
@@ -72,13 +74,25 @@ def test_a_loader_with_a_cpu_to_spare_is_not_woken_for_its_batches(long_spin, mo
 
 
 @two_cpus_no_quota
-def test_a_second_loaders_workers_take_the_spare_cpu(long_spin):
+def test_a_second_loaders_workers_take_the_spare_cpu(long_spin, monkeypatch):
     """Two 1-worker loaders side by side on 2 CPUs (zip, a combined loader): their
-    workers use both CPUs, so neither main-process wait spins."""
-    assert wakeups_over_three_slow_batches(slow_loader(), slow_loader()) >= 4
+    workers use both CPUs, so no main-process wait spins. (A spinning main process
+    is woken 0 times; a sleeping one at least once per round, for the later of the
+    two batches.)"""
+    monkeypatch.setattr(main_spin, "_affinity", lambda: 2)   # as on 2 CPUs, wherever run
+    assert wakeups_over_three_slow_batches(slow_loader(), slow_loader()) >= 2
 
 
-def test_live_workers_count_a_pool_until_it_is_reaped_or_collected():
+def alive(pid):
+    try:
+        os.kill(pid, 0)   # a zombie, exited but not reaped, still counts
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_live_workers_count_a_pool_until_it_is_reaped():
+    settle()
     base = pool.live_workers()
     loader = fastloader.DataLoader(ds.TensorLabelDataset(16), batch_size=4, num_workers=2)
     it = iter(loader)
@@ -100,6 +114,21 @@ def test_live_workers_count_a_pool_until_it_is_reaped_or_collected():
     del it
     gc.collect()
     assert pool.live_workers() == base   # counted off once, not again when collected
+
+    # an iterator collected in a reference cycle hands its pool to the reaper: its
+    # workers count until reaped, not from the collection on
+    it = iter(fastloader.DataLoader(ds.TensorLabelDataset(16), batch_size=4, num_workers=2,
+                                    persistent_workers=True))
+    next(it)
+    pids = it._pool.pids
+    it.cycle = it
+    del it
+    gc.collect()
+    counted = pool.live_workers()
+    running = [pid for pid in pids if alive(pid)]   # looked at after the count
+    assert counted >= base + len(running), (counted, base, running)
+    settle()
+    assert pool.live_workers() == base
 
 
 def spin_in_child(cpus, env=None, workers=(1, 2), pin_memory=False, cgroup_procs=None):
@@ -154,6 +183,34 @@ def test_one_rank_per_node_of_a_bigger_job_still_spins():
                                     "RANK": "3"}) == [SPIN, 0]
 
 
+def rule_on(monkeypatch, own, launchers, ranks, quota=None):
+    """main_spin_ns for 1, 2, 4 and 8 workers, where this process may use `own`
+    CPUs, its launcher (its parent) `launchers`, with `ranks` ranks on the node
+    and a cgroup quota of `quota` CPUs."""
+    parent = os.getppid()
+    monkeypatch.setattr(main_spin, "_affinity", lambda pid=0: launchers if pid == parent else own)
+    monkeypatch.setattr(main_spin, "cpu_quota", lambda: quota)
+    monkeypatch.delenv("FASTLOADER_MAIN_SPIN", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
+    return [main_spin.main_spin_ns(w) for w in (1, 2, 4, 8)]
+
+
+def test_ranks_bound_to_cpus_of_their_own_are_not_divided_again(monkeypatch):
+    # srun --cpu-bind: 8 ranks, each on 8 of the launcher's 64 CPUs: 7 workers fit
+    assert rule_on(monkeypatch, own=8, launchers=64, ranks=8) == [SPIN, SPIN, SPIN, 0]
+
+
+def test_ranks_sharing_their_cpus_divide_them(monkeypatch):
+    # torchrun under taskset -c 0-7 on a bigger box: 2 ranks share the same 8 CPUs
+    assert rule_on(monkeypatch, own=8, launchers=8, ranks=2) == [SPIN, SPIN, 0, 0]
+
+
+def test_a_quota_below_the_cpus_leaves_one_cpu_of_it_and_one_at_or_above_does_not(monkeypatch):
+    assert rule_on(monkeypatch, own=8, launchers=8, ranks=1, quota=4.0) == [SPIN, SPIN, 0, 0]
+    assert rule_on(monkeypatch, own=2, launchers=2, ranks=1, quota=2.0) == [SPIN, 0, 0, 0]
+    assert rule_on(monkeypatch, own=2, launchers=2, ranks=1, quota=1.5) == [0, 0, 0, 0]
+
+
 def write(path, text, mode="w"):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, mode) as f:
@@ -165,7 +222,7 @@ def mountinfo_line(mount_root, point, fstype, superoptions):
 
 
 def limit(tmp_path):
-    return main_spin.cgroup_cpu_limit(str(tmp_path / "cgroup"), str(tmp_path / "mountinfo"))
+    return cgroup_cpus.cpu_quota(str(tmp_path / "cgroup"), str(tmp_path / "mountinfo"))
 
 
 def test_the_tightest_cgroup_v2_quota_on_the_way_up_counts(tmp_path):

@@ -21,113 +21,20 @@ csrc/spin.c), and `FASTLOADER_MAIN_SPIN=0` turns it off.
 from __future__ import annotations
 
 import os
-import re
 
+from .cgroup_cpus import cpu_quota
 from .distributed import rank_and_world
 
 # The longest one wait spins (then it sleeps as before). Long enough for a batch
 # that takes a worker a few hundred microseconds (tokens: ~300 us per batch).
 MAIN_SPIN_NS = 1_000_000
 
-def _unescape(field: str) -> str:
-    """A /proc/self/mountinfo path: spaces and the like are octal escapes (\\040)."""
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
 
-
-def _cpu_cgroup_mounts(mountinfo: str):
-    """(version, mount root, mount point) of each cgroup2 mount and each v1 mount
-    holding the cpu controller, whatever its directory is called."""
-    for line in mountinfo.splitlines():
-        left, _, right = line.partition(" - ")
-        fields, tail = left.split(), right.split()
-        if len(fields) < 5 or not tail:
-            continue
-        if tail[0] == "cgroup2":
-            yield 2, _unescape(fields[3]), _unescape(fields[4])
-        elif tail[0] == "cgroup" and len(tail) >= 3 and "cpu" in tail[2].split(","):
-            yield 1, _unescape(fields[3]), _unescape(fields[4])
-
-
-def _quota_v2(directory: str) -> float | None:
-    """CPUs allowed by cgroup v2's ``cpu.max`` ("200000 100000"; "max ..." is none)."""
-    with open(os.path.join(directory, "cpu.max")) as f:
-        quota, period = f.read().split()[:2]
-    return None if quota == "max" else int(quota) / int(period)
-
-
-def _quota_v1(directory: str) -> float | None:
-    """CPUs allowed by cgroup v1's CFS quota (-1 is none)."""
-    with open(os.path.join(directory, "cpu.cfs_quota_us")) as f:
-        quota = int(f.read())
-    with open(os.path.join(directory, "cpu.cfs_period_us")) as f:
-        period = int(f.read())
-    return None if quota < 0 else quota / period
-
-
-def _tightest(point: str, relative: str, read) -> float | None:
-    """The smallest quota from the cgroup at `relative` under the mount `point` up
-    to the mount's top: a parent's quota caps its children."""
-    parts = [p for p in relative.split("/") if p]
-    limit = None
-    for depth in range(len(parts), -1, -1):
-        try:
-            cpus = read(os.path.join(point, *parts[:depth]))
-        except (OSError, ValueError, ZeroDivisionError):
-            continue   # no such level here
-        if cpus is not None:
-            limit = cpus if limit is None else min(limit, cpus)
-    return limit
-
-
-def _relative(path: str, mount_root: str) -> str | None:
-    """`path` (from /proc/self/cgroup) below the mount's root: a container without
-    its own cgroup namespace sees its full path, and the mount starts below it."""
-    root = mount_root.rstrip("/")
-    if path == root or path.startswith(root + "/"):
-        return path[len(root):]
-    return None
-
-
-def cgroup_cpu_limit(proc_cgroup: str = "/proc/self/cgroup",
-                     mountinfo: str = "/proc/self/mountinfo") -> float | None:
-    """The CPUs a cgroup quota allows this process (``docker --cpus=2``, a
-    Kubernetes CPU limit), cgroup v2 or v1; None where there is none or it cannot
-    be read."""
+def _affinity(pid: int = 0) -> int:
     try:
-        # surrogateescape: a path need not be UTF-8
-        with open(proc_cgroup, errors="surrogateescape") as f:
-            memberships = f.read().splitlines()
-        with open(mountinfo, errors="surrogateescape") as f:
-            mounts = list(_cpu_cgroup_mounts(f.read()))
-    except OSError:
-        return None
-    found = []
-    for line in memberships:
-        _hierarchy, _, rest = line.partition(":")
-        controllers, _, path = rest.partition(":")
-        version = 2 if controllers == "" else 1 if "cpu" in controllers.split(",") else 0
-        for mount_version, mount_root, point in mounts:
-            relative = _relative(path, mount_root)
-            if mount_version != version or relative is None:
-                continue
-            limit = _tightest(point, relative, _quota_v2 if version == 2 else _quota_v1)
-            if limit is not None:
-                found.append(limit)
-    return min(found) if found else None
-
-
-def _affinity() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(pid))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
-
-
-def usable_cpus() -> float:
-    """The CPUs this process may run on: its affinity mask, capped by a cgroup
-    quota."""
-    quota = cgroup_cpu_limit()
-    return _affinity() if quota is None else min(_affinity(), quota)
 
 
 # What launchers call the number of ranks on this node.
@@ -151,14 +58,19 @@ def ranks_on_this_node() -> int:
 
 
 def _cpu_room() -> float:
-    """This rank's share of the CPUs. A CFS quota, once used up, stops every
-    thread of the group (the workers too) until its period ends, so one CPU of it
-    is left for the process's other threads."""
-    room = float(_affinity())
-    quota = cgroup_cpu_limit()
-    if quota is not None:
-        room = min(room, quota - 1)
-    return room / ranks_on_this_node()
+    """This rank's share of the CPUs. The ranks share the CPUs their launcher
+    (our parent: torchrun's agent, slurmstepd, a first rank) may use; one that
+    binds each rank to CPUs of its own (srun --cpu-bind) has narrowed this
+    process's affinity to its share already. A CFS quota below the affinity,
+    once used up, stops every thread of the group (the workers too) until its
+    period ends, so one CPU of it is left for the process's other threads."""
+    ranks = ranks_on_this_node()
+    affinity = _affinity()
+    room = min(affinity, _affinity(os.getppid()) / ranks)
+    quota = cpu_quota()
+    if quota is not None and quota < affinity:
+        room = min(room, (quota - 1) / ranks)
+    return room
 
 
 class MainSpin:

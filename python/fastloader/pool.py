@@ -43,13 +43,15 @@ os.register_at_fork(after_in_child=MAIN_FDS.clear)
 _LIVE_POOLS: "weakref.WeakSet[WorkerPool]" = weakref.WeakSet()
 _LIVE_LOCK = threading.Lock()
 
-# The workers of this process's pools, from their start until they are reaped (or
-# the pool is collected): the main process's spin rule (main_spin.py) reads it per
-# batch, so it is one int, not a walk over the pools. Its own lock, re-entrant: a
-# pool collected by a garbage collection that runs while this thread holds it
-# uncounts itself from its finalizer.
+# The workers of this process's pools, from their start until they are reaped:
+# the main process's spin rule (main_spin.py) reads it per batch, so it is one
+# int, not a walk over the pools. Counted off where a pool leaves _LIVE_POOLS
+# (shut down, or reaped by the reaper thread), not when it is collected: a
+# collected iterator hands its pool to the reaper, whose workers run on until
+# reaped. A pool leaked without either stays counted: the spin then stays off,
+# which costs speed, never CPU taken from a worker.
 _live_workers = 0
-_COUNT_LOCK = threading.RLock()
+_COUNT_LOCK = threading.Lock()
 
 
 def live_workers() -> int:
@@ -57,16 +59,20 @@ def live_workers() -> int:
     return _live_workers
 
 
-def _add_workers(n: int, pid: int) -> None:
+def _count_workers(pool, n: int) -> None:
+    """Count `n` workers of `pool` on (n > 0) or all of its workers off (n == 0),
+    once: the main thread's shutdown and the reaper thread may both get there."""
     global _live_workers
-    if os.getpid() == pid:   # a forked child's copies of its parent's pools count 0
-        with _COUNT_LOCK:
-            _live_workers += n
+    with _COUNT_LOCK:
+        before, pool._counted = pool._counted, n
+        if os.getpid() == pool.owner_pid:   # a forked child's copy counts nothing
+            _live_workers += n - before
 
 
 def _forget_parents_workers() -> None:
-    global _live_workers
+    global _live_workers, _COUNT_LOCK
     _live_workers = 0
+    _COUNT_LOCK = threading.Lock()   # fork may have copied it held by a thread not here
 
 
 os.register_at_fork(after_in_child=_forget_parents_workers)
@@ -229,9 +235,8 @@ class WorkerPool:
             shm_sweep.sweep_dead_loaders()
         with _LIVE_LOCK:
             _LIVE_POOLS.add(self)
-        _add_workers(len(specs), self.owner_pid)
-        # uncounted once, at whichever comes first: reaped, or collected
-        self._uncount = weakref.finalize(self, _add_workers, -len(specs), self.owner_pid)
+        self._counted = 0
+        _count_workers(self, len(specs))
         _exit_hook_for_this_process()
         try:
             self._start_all(context, specs, strategy, (task_capacity, result_capacity, task_window))
@@ -415,6 +420,9 @@ class WorkerPool:
         with _LIVE_LOCK:
             _LIVE_POOLS.discard(self)
         self._uncount()
+
+    def _uncount(self):
+        _count_workers(self, 0)
 
     def _release_channels(self):
         for ch in self.channels:

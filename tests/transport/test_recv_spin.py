@@ -46,14 +46,11 @@ def test_a_spinning_main_process_takes_the_batch_and_the_worker_wakes_no_one(pai
     main, worker = pair
     t = publish_later(worker, 5)
     started = time.perf_counter()
-    cpu = time.thread_time()
     got = _core.recv((main,), 0, 30.0, True, LONG_SPIN_NS)
-    spent = time.thread_time() - cpu
     t.join()
     assert got[:2] == (0, 5) and got[3] == {"seq": 5}
     assert main.stats()["main_wakeups"] == 0    # it never slept: nothing to wake
     assert main.wait_s >= PUBLISH_AFTER_S - 0.02, main.wait_s   # a data stall all the same
-    assert spent > 0.05, spent   # it spun: the wait was spent on a CPU
 
 
 @needs_two_cpus
@@ -74,12 +71,13 @@ def test_with_only_prefer_the_spin_waits_for_the_due_workers_result(two_pairs):
 
 def test_without_a_spin_the_worker_pays_for_waking_the_main_process(pair):
     main, worker = pair
-    t = publish_later(worker, 6, after=0.5)   # the main process sleeps long before
+    # the main process sleeps long before (and not at a 100 ms slice's edge)
+    t = publish_later(worker, 6, after=0.45)
     got = _core.recv((main,), 0, 30.0, True, 0)
     t.join()
     assert got[:2] == (0, 6)
     assert main.stats()["main_wakeups"] == 1
-    assert main.wait_s >= 0.5 - 0.02, main.wait_s
+    assert main.wait_s >= 0.45 - 0.02, main.wait_s
 
 
 @needs_two_cpus
@@ -101,9 +99,7 @@ def test_ctrl_c_during_a_spin_is_raised_when_the_spin_ends_not_a_sleep_later(pai
     be raised before sleeping, not at the end of the poll's 100 ms slice."""
     main, _worker = pair
     spin_s = 0.3
-    timer = threading.Timer(0.05, signal.pthread_kill,
-                            (threading.main_thread().ident, signal.SIGINT))
-    timer.start()
+    timer = interrupt_main_thread_after(0.05)
     started = time.perf_counter()
     with pytest.raises(KeyboardInterrupt):
         _core.recv((main,), 0, 30.0, True, int(spin_s * 1e9))
@@ -116,3 +112,26 @@ def test_recv_refuses_a_wrong_number_of_arguments(pair):
     main, _worker = pair
     with pytest.raises(TypeError, match="spin_ns"):
         _core.recv((main,), 0, 0.0, True, 0, 1)
+
+
+def interrupt_main_thread_after(seconds):
+    timer = threading.Timer(seconds, signal.pthread_kill,
+                            (threading.main_thread().ident, signal.SIGINT))
+    timer.start()
+    return timer
+
+
+@needs_two_cpus
+def test_ctrl_c_during_a_spin_that_then_catches_a_batch_leaves_the_batch_in_the_ring(pair):
+    """Ctrl-C comes first, the batch during the same spin: the interrupt is
+    raised and the batch stays for the next call (as when it comes in a sleep),
+    not taken and dropped by the KeyboardInterrupt raised on return."""
+    main, worker = pair
+    timer = interrupt_main_thread_after(0.05)
+    t = publish_later(worker, 9)
+    with pytest.raises(KeyboardInterrupt):
+        _core.recv((main,), 0, 30.0, True, int(0.4 * 1e9))
+    timer.join()
+    t.join()
+    got = _core.recv((main,), 0, 0.0, True)
+    assert got is not None and got[1] == 9, got
