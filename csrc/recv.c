@@ -35,6 +35,19 @@ has_result(PyObject *chans, Py_ssize_t k)
     return !fl_res_empty(&((MainChannelObject *)PyTuple_GET_ITEM(chans, k))->ring);
 }
 
+/* After Python code ran (a signal handler): whether the channels are still
+ * open (a handler may have closed the loader); raises if not. */
+static int
+still_open(PyObject *chans, Py_ssize_t n)
+{
+    for (Py_ssize_t k = 0; k < n; k++)
+        if (((MainChannelObject *)PyTuple_GET_ITEM(chans, k))->closed) {
+            PyErr_SetString(PyExc_ValueError, "fastloader: channel is closed");
+            return 0;
+        }
+    return 1;
+}
+
 /* What the spin watches: the rings, gathered with the GIL held, since
  * fl_spin_wait's ready() runs without it (the caller's tuple keeps the channels,
  * and so their control blocks, alive; a ring is read lock-free). */
@@ -162,7 +175,7 @@ fl_recv(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
              * result the spin caught is taken (a KeyboardInterrupt raised on our
              * return would lose it), and before the poll below, which it would
              * not interrupt (Ctrl-C would wait a slice) */
-            if (PyErr_CheckSignals() < 0)
+            if (PyErr_CheckSignals() < 0 || !still_open(chans, n))
                 goto done;
             if (caught)
                 continue;
@@ -237,7 +250,7 @@ fl_recv(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 if (dead)
                     only_prefer = 0;
             }
-            if (PyErr_CheckSignals() < 0)
+            if (PyErr_CheckSignals() < 0 || !still_open(chans, n))
                 goto clear_waiting;
         }
         for (Py_ssize_t k = 0; k < n; k++)

@@ -4,6 +4,7 @@ and an interrupt to another CPU); the worker counts each wake-up it paid for in
 stats()["main_wakeups"]. The spin never outlasts the caller's timeout, and the
 time spent spinning is waiting for data like a sleep."""
 import os
+import select
 import signal
 import threading
 import time
@@ -121,17 +122,55 @@ def interrupt_main_thread_after(seconds):
     return timer
 
 
+@pytest.fixture
+def signal_handled():
+    """A pipe that becomes readable once a signal's C-level handler has run
+    (signal.set_wakeup_fd), so a thread can act after the signal, not after a
+    guessed delay."""
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    previous = signal.set_wakeup_fd(w)
+    try:
+        yield r
+    finally:
+        signal.set_wakeup_fd(previous)
+        os.close(r)
+        os.close(w)
+
+
 @needs_two_cpus
-def test_ctrl_c_during_a_spin_that_then_catches_a_batch_leaves_the_batch_in_the_ring(pair):
+def test_ctrl_c_during_a_spin_that_then_catches_a_batch_leaves_the_batch_in_the_ring(
+        pair, signal_handled):
     """Ctrl-C comes first, the batch during the same spin: the interrupt is
     raised and the batch stays for the next call (as when it comes in a sleep),
     not taken and dropped by the KeyboardInterrupt raised on return."""
     main, worker = pair
-    timer = interrupt_main_thread_after(0.05)
-    t = publish_later(worker, 9)
+
+    def interrupt_then_publish():
+        time.sleep(0.05)   # the main thread is spinning by then (else: raised earlier)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        select.select([signal_handled], [], [], 30)
+        worker.publish(_core.RES_BATCH, 9, {"seq": 9})
+
+    t = threading.Thread(target=interrupt_then_publish)
     with pytest.raises(KeyboardInterrupt):
-        _core.recv((main,), 0, 30.0, True, int(0.4 * 1e9))
-    timer.join()
+        t.start()
+        _core.recv((main,), 0, 30.0, True, LONG_SPIN_NS)
     t.join()
     got = _core.recv((main,), 0, 0.0, True)
     assert got is not None and got[1] == 9, got
+
+
+@needs_two_cpus
+def test_a_signal_handler_that_closes_the_loader_during_a_spin_ends_the_wait(pair):
+    main, _worker = pair
+    previous = signal.signal(signal.SIGUSR1, lambda *_: main.close())
+    try:
+        timer = threading.Timer(0.05, signal.pthread_kill,
+                                (threading.main_thread().ident, signal.SIGUSR1))
+        timer.start()
+        with pytest.raises(ValueError, match="channel is closed"):
+            _core.recv((main,), 0, 5.0, True, int(0.3 * 1e9))
+        timer.join()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
