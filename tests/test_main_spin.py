@@ -13,7 +13,8 @@ import uuid
 import pytest
 
 import fastloader
-from fastloader import cgroup_cpus, main_spin, pool
+from fastloader import cgroup_cpus, main_spin, pool, reaper
+from fastloader.worker_process import WorkerProcess
 from tests.support import datasets as ds
 from tests.support.helpers import deadline, settle
 
@@ -60,10 +61,10 @@ def long_spin(monkeypatch):
     early; a plain environment (no launcher variables, the spin not turned off),
     and no other test's workers still counted."""
     settle()
-    for name in RANK_VARIABLES:
+    for name in RANK_VARIABLES + main_spin._LAUNCHER_PARENT_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(main_spin, "MAIN_SPIN_NS", 5_000_000_000)
-    if main_spin.main_spin_ns(1) == 0:
+    if main_spin.MainSpin().ns(pool.live_workers() + 1) == 0:
         pytest.skip("no CPU to spare beside one worker here")
 
 
@@ -79,7 +80,7 @@ def test_a_second_loaders_workers_take_the_spare_cpu(long_spin, monkeypatch):
     workers use both CPUs, so no main-process wait spins. (A spinning main process
     is woken 0 times; a sleeping one at least once per round, for the later of the
     two batches.)"""
-    monkeypatch.setattr(main_spin, "_affinity", lambda: 2)   # as on 2 CPUs, wherever run
+    monkeypatch.setattr(main_spin, "_affinity", lambda pid=0: 2)   # as on 2 CPUs, wherever run
     assert wakeups_over_three_slow_batches(slow_loader(), slow_loader()) >= 2
 
 
@@ -129,6 +130,51 @@ def test_live_workers_count_a_pool_until_it_is_reaped():
     assert counted >= base + len(running), (counted, base, running)
     settle()
     assert pool.live_workers() == base
+
+
+def started_pool_iterator(monkeypatch, num_workers=2):
+    settle()
+    base = pool.live_workers()
+    it = iter(fastloader.DataLoader(ds.TensorLabelDataset(16), batch_size=4,
+                                    num_workers=num_workers, persistent_workers=True))
+    next(it)
+    assert pool.live_workers() == base + num_workers
+    return it, base
+
+
+def test_an_interrupted_shutdown_leaves_the_reaping_and_the_count_to_the_reaper(monkeypatch):
+    it, base = started_pool_iterator(monkeypatch)
+    real_join = WorkerProcess.join
+    calls = []
+
+    def join_interrupted_once(self, timeout=None):
+        if not calls:
+            calls.append(self.pid)
+            raise KeyboardInterrupt   # a second Ctrl-C while the first one's shutdown waits
+        return real_join(self, timeout)
+
+    monkeypatch.setattr(WorkerProcess, "join", join_interrupted_once)
+    with pytest.raises(KeyboardInterrupt):
+        it._pool.shutdown()
+    monkeypatch.setattr(WorkerProcess, "join", real_join)
+    settle()   # the reaper reaps the workers (no zombie: see conftest) and counts them off
+    assert pool.live_workers() == base
+
+
+def test_a_pool_the_reaper_gives_up_on_is_counted_off(monkeypatch):
+    it, base = started_pool_iterator(monkeypatch, num_workers=1)
+    procs = list(it._pool.procs)
+
+    def step_fails(self, now):
+        raise RuntimeError("a step that keeps failing")
+
+    monkeypatch.setattr(pool.WorkerPool, "step", step_fails)
+    it._pool.retire(timeout=5.0)
+    assert reaper.wait_idle(30)
+    assert pool.live_workers() == base
+    monkeypatch.undo()
+    for proc in procs:   # nobody reaps it now: do it here (no zombie)
+        proc.join(30)
 
 
 def spin_in_child(cpus, env=None, workers=(1, 2), pin_memory=False, cgroup_procs=None):
@@ -183,32 +229,50 @@ def test_one_rank_per_node_of_a_bigger_job_still_spins():
                                     "RANK": "3"}) == [SPIN, 0]
 
 
-def rule_on(monkeypatch, own, launchers, ranks, quota=None):
+def rule_on(monkeypatch, own, parents, ranks, quota=None, launcher="TORCHELASTIC_RUN_ID"):
     """main_spin_ns for 1, 2, 4 and 8 workers, where this process may use `own`
-    CPUs, its launcher (its parent) `launchers`, with `ranks` ranks on the node
-    and a cgroup quota of `quota` CPUs."""
+    CPUs and its parent `parents`, with `ranks` ranks on the node, a cgroup quota
+    of `quota` CPUs, and `launcher` the variable its launcher set (None: none)."""
     parent = os.getppid()
-    monkeypatch.setattr(main_spin, "_affinity", lambda pid=0: launchers if pid == parent else own)
+    monkeypatch.setattr(main_spin, "_affinity", lambda pid=0: parents if pid == parent else own)
     monkeypatch.setattr(main_spin, "cpu_quota", lambda: quota)
-    monkeypatch.delenv("FASTLOADER_MAIN_SPIN", raising=False)
+    for name in RANK_VARIABLES + main_spin._LAUNCHER_PARENT_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
+    if launcher is not None:
+        monkeypatch.setenv(launcher, "1")
     return [main_spin.main_spin_ns(w) for w in (1, 2, 4, 8)]
 
 
-def test_ranks_bound_to_cpus_of_their_own_are_not_divided_again(monkeypatch):
+@pytest.mark.parametrize("launcher", ["TORCHELASTIC_RUN_ID", "SLURM_STEP_ID"])
+def test_ranks_bound_to_cpus_of_their_own_are_not_divided_again(monkeypatch, launcher):
     # srun --cpu-bind: 8 ranks, each on 8 of the launcher's 64 CPUs: 7 workers fit
-    assert rule_on(monkeypatch, own=8, launchers=64, ranks=8) == [SPIN, SPIN, SPIN, 0]
+    assert rule_on(monkeypatch, own=8, parents=64, ranks=8,
+                   launcher=launcher) == [SPIN, SPIN, SPIN, 0]
 
 
 def test_ranks_sharing_their_cpus_divide_them(monkeypatch):
     # torchrun under taskset -c 0-7 on a bigger box: 2 ranks share the same 8 CPUs
-    assert rule_on(monkeypatch, own=8, launchers=8, ranks=2) == [SPIN, SPIN, 0, 0]
+    assert rule_on(monkeypatch, own=8, parents=8, ranks=2) == [SPIN, SPIN, 0, 0]
 
 
-def test_a_quota_below_the_cpus_leaves_one_cpu_of_it_and_one_at_or_above_does_not(monkeypatch):
-    assert rule_on(monkeypatch, own=8, launchers=8, ranks=1, quota=4.0) == [SPIN, SPIN, 0, 0]
-    assert rule_on(monkeypatch, own=2, launchers=2, ranks=1, quota=2.0) == [SPIN, 0, 0, 0]
-    assert rule_on(monkeypatch, own=2, launchers=2, ranks=1, quota=1.5) == [0, 0, 0, 0]
+def test_without_a_launcher_that_is_every_ranks_parent_the_parent_is_not_asked(monkeypatch):
+    # Lightning's launcher, from a shell taskset to 8 of 64 CPUs: rank 0's parent is
+    # the shell, which may use all 64; the 4 ranks share rank 0's 8
+    assert rule_on(monkeypatch, own=8, parents=64, ranks=4, launcher=None) == [SPIN, 0, 0, 0]
+
+
+def test_a_launcher_that_cannot_be_asked_counts_as_our_own_cpus(monkeypatch):
+    assert rule_on(monkeypatch, own=8, parents=None, ranks=2) == [SPIN, SPIN, 0, 0]
+
+
+def test_a_quota_below_the_shared_cpus_leaves_one_cpu_of_it_and_one_above_does_not(
+        monkeypatch):
+    assert rule_on(monkeypatch, own=8, parents=8, ranks=1, quota=4.0) == [SPIN, SPIN, 0, 0]
+    assert rule_on(monkeypatch, own=2, parents=2, ranks=1, quota=2.0) == [SPIN, 0, 0, 0]
+    assert rule_on(monkeypatch, own=2, parents=2, ranks=1, quota=1.5) == [0, 0, 0, 0]
+    # ranks bound to 8 CPUs each of 64, all under a 32-CPU quota: (32 - 1) / 8 each
+    assert rule_on(monkeypatch, own=8, parents=64, ranks=8, quota=32.0) == [SPIN, SPIN, 0, 0]
 
 
 def write(path, text, mode="w"):

@@ -30,11 +30,12 @@ from .distributed import rank_and_world
 MAIN_SPIN_NS = 1_000_000
 
 
-def _affinity(pid: int = 0) -> int:
+def _affinity(pid: int = 0) -> int | None:
+    """How many CPUs process `pid` (0: this one) may run on; None if unknown."""
     try:
         return len(os.sched_getaffinity(pid))
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        return None
 
 
 # What launchers call the number of ranks on this node.
@@ -42,6 +43,26 @@ _LOCAL_SIZE_VARIABLES = ("LOCAL_WORLD_SIZE",               # torchrun
                          "SLURM_NTASKS_PER_NODE",          # srun --ntasks-per-node
                          "OMPI_COMM_WORLD_LOCAL_SIZE",     # Open MPI
                          "MPI_LOCALNRANKS")                # MPICH, Intel MPI
+
+
+# Set by launchers whose processes are their ranks' parents: torchrun's agent,
+# slurmstepd, Open MPI's and PMIx's daemons. (Lightning's own launcher makes rank
+# 0 the parent of the others, and a plain run's parent is a shell: no rank can
+# learn its launcher's CPUs from its parent there.)
+_LAUNCHER_PARENT_VARIABLES = ("TORCHELASTIC_RUN_ID", "SLURM_STEP_ID", "OMPI_COMM_WORLD_SIZE",
+                              "PMIX_RANK")
+
+
+def _launchers_cpus(own: float) -> float:
+    """The CPUs this node's ranks share: their launcher's (our parent's) where a
+    launcher that is every rank's parent started us, else our own."""
+    if not any(name in os.environ for name in _LAUNCHER_PARENT_VARIABLES):
+        return own
+    parent = os.getppid()
+    if parent <= 1:   # the launcher is gone (re-parented to init or a subreaper)
+        return own
+    launcher = _affinity(parent)
+    return own if launcher is None else launcher
 
 
 def ranks_on_this_node() -> int:
@@ -58,17 +79,18 @@ def ranks_on_this_node() -> int:
 
 
 def _cpu_room() -> float:
-    """This rank's share of the CPUs. The ranks share the CPUs their launcher
-    (our parent: torchrun's agent, slurmstepd, a first rank) may use; one that
-    binds each rank to CPUs of its own (srun --cpu-bind) has narrowed this
-    process's affinity to its share already. A CFS quota below the affinity,
-    once used up, stops every thread of the group (the workers too) until its
-    period ends, so one CPU of it is left for the process's other threads."""
+    """This rank's share of the CPUs: the CPUs the node's ranks share (see
+    _launchers_cpus) over the ranks, at most this process's own (a launcher that
+    binds each rank to CPUs of its own, srun --cpu-bind, has narrowed them to its
+    share already). A CFS quota below the shared CPUs, once used up, stops every
+    thread of the group (the workers too) until its period ends, so one CPU of it
+    is left for the processes' other threads: (quota - 1) over the ranks."""
     ranks = ranks_on_this_node()
-    affinity = _affinity()
-    room = min(affinity, _affinity(os.getppid()) / ranks)
+    own = _affinity() or os.cpu_count() or 1
+    shared = _launchers_cpus(own)
+    room = min(own, shared / ranks)
     quota = cpu_quota()
-    if quota is not None and quota < affinity:
+    if quota is not None and quota < shared:
         room = min(room, (quota - 1) / ranks)
     return room
 

@@ -51,7 +51,9 @@ _LIVE_LOCK = threading.Lock()
 # reaped. A pool leaked without either stays counted: the spin then stays off,
 # which costs speed, never CPU taken from a worker.
 _live_workers = 0
-_COUNT_LOCK = threading.Lock()
+# re-entrant: a signal handler (or, from 3.12, a collection) that shuts a loader
+# down may run between the lines below, on the same thread
+_COUNT_LOCK = threading.RLock()
 
 
 def live_workers() -> int:
@@ -72,7 +74,7 @@ def _count_workers(pool, n: int) -> None:
 def _forget_parents_workers() -> None:
     global _live_workers, _COUNT_LOCK
     _live_workers = 0
-    _COUNT_LOCK = threading.Lock()   # fork may have copied it held by a thread not here
+    _COUNT_LOCK = threading.RLock()   # fork may have copied it held by a thread not here
 
 
 os.register_at_fork(after_in_child=_forget_parents_workers)
@@ -395,9 +397,17 @@ class WorkerPool:
         return True
 
     def shutdown(self, timeout: float = 5.0):
-        """Stop the workers and wait for them (failure paths: Ctrl-C, a death)."""
+        """Stop the workers and wait for them (failure paths: Ctrl-C, a death). If
+        the wait itself is interrupted (a second Ctrl-C), the reaper thread takes
+        over: it escalates at once, reaps the workers and counts them off."""
         if self._tell_workers_to_stop():
-            self._wait_for_workers(time.monotonic() + timeout)
+            try:
+                self._wait_for_workers(time.monotonic() + timeout)
+            except BaseException:
+                self._deadline = time.monotonic()
+                self._escalated = 0
+                reaper.retire(self)
+                raise
 
     def _wait_for_workers(self, deadline: float):
         """The rest of shutdown(), once the workers were told: join them until
@@ -411,7 +421,9 @@ class WorkerPool:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-        self._release_channels()
+        if not self._channels_released:
+            self._channels_released = True
+            self._release_channels()
         for proc in self.procs:
             try:
                 proc.close()
@@ -423,6 +435,12 @@ class WorkerPool:
 
     def _uncount(self):
         _count_workers(self, 0)
+
+    def abandon(self):
+        """The reaper gave up on this pool (its step kept failing): count its
+        workers off, so that a pool past saving does not keep the main process's
+        spin off for good. Interpreter exit still tries to stop them."""
+        self._uncount()
 
     def _release_channels(self):
         for ch in self.channels:

@@ -10,8 +10,9 @@ what the workers shared with it, reaps them (no zombie is left), and escalates
 to SIGTERM/SIGKILL for a worker that does not stop by its pool's deadline.
 
 A job is any object with ``wait_fds() -> list of fds`` (readable when something
-happened) and ``step(now) -> bool`` (do what can be done now; True when
-finished). pool.WorkerPool is the only one; this module knows nothing about it.
+happened), ``step(now) -> bool`` (do what can be done now; True when
+finished) and ``abandon()`` (told when its step kept failing and it is given
+up). pool.WorkerPool is the only one; this module knows nothing about it.
 
 Interpreter exit waits here (see ``drain``), so no worker outlives the program; a
 forked child starts with no jobs and no thread (the parent's are not its own).
@@ -31,8 +32,9 @@ __all__ = ["retire", "wait_idle", "drain", "pending", "busy"]
 # How often the thread looks again even if no fd woke it: new jobs, deadlines,
 # and a worker whose sentinel the user closed.
 _POLL_S = 0.05
-# A job whose step keeps failing is given up after this many tries (its pool
-# falls back to interpreter exit / garbage collection), never retried forever.
+# A job whose step keeps failing is given up after this many tries (told so by
+# its abandon(); its pool falls back to interpreter exit / garbage collection),
+# never retried forever.
 _MAX_FAILURES = 3
 # When a job's fds were ready but its step could not finish (a join elsewhere
 # holds one of its processes), pause this long before looking again: the fds stay
@@ -96,6 +98,13 @@ def retire(job) -> None:
         st.idle.clear()
         if not st.forking:   # else _after_fork_in_parent starts it
             _start_thread(st)
+
+
+def _abandon(job) -> None:
+    try:
+        job.abandon()
+    except Exception:
+        pass   # nothing more to do for it here
 
 
 def _start_thread(st: _State) -> None:
@@ -256,6 +265,8 @@ def _loop(st: _State) -> None:
             except Exception:
                 st.failures[id(job)] = st.failures.get(id(job), 0) + 1
                 done = st.failures[id(job)] >= _MAX_FAILURES
+                if done:
+                    _abandon(job)
             if done:
                 finished += 1
                 with st.lock:
