@@ -134,6 +134,7 @@ def test_live_workers_count_a_pool_until_it_is_reaped():
 
 def started_pool_iterator(monkeypatch, num_workers=2):
     settle()
+    assert reaper.wait_idle(30)
     base = pool.live_workers()
     it = iter(fastloader.DataLoader(ds.TensorLabelDataset(16), batch_size=4,
                                     num_workers=num_workers, persistent_workers=True))
@@ -169,12 +170,33 @@ def test_a_pool_the_reaper_gives_up_on_is_counted_off(monkeypatch):
         raise RuntimeError("a step that keeps failing")
 
     monkeypatch.setattr(pool.WorkerPool, "step", step_fails)
+    channels = list(it._pool.channels)
+    fds = {fd for ch in channels for fd in ch.main_fds() if fd >= 0}
+    assert fds and fds <= pool.MAIN_FDS
     it._pool.retire(timeout=5.0)
     assert reaper.wait_idle(30)
     assert pool.live_workers() == base
+    # its channels are released: no number of theirs is left for a later worker
+    # to close (by then it may be a dataset's file)
+    assert all(ch.closed for ch in channels) and not fds & pool.MAIN_FDS
     monkeypatch.undo()
     for proc in procs:   # nobody reaps it now: do it here (no zombie)
         proc.join(30)
+
+
+def test_a_worker_process_whose_close_was_interrupted_counts_as_closed():
+    """A Ctrl-C between multiprocessing's close() and fastloader's leaves the
+    multiprocessing object closed: the reaper then finishes it instead of
+    failing on it until it gives up."""
+    it = iter(fastloader.DataLoader(ds.TensorLabelDataset(8), batch_size=4, num_workers=1,
+                                    persistent_workers=True))
+    next(it)
+    proc = it._pool.procs[0]
+    it._shutdown_workers()   # joined and closed: undo our half of the close
+    assert proc.reap_and_close()
+    proc._closed = False
+    assert proc.has_exited() and proc.reap_and_close()
+    proc.close()
 
 
 def spin_in_child(cpus, env=None, workers=(1, 2), pin_memory=False, cgroup_procs=None):
@@ -188,7 +210,8 @@ def spin_in_child(cpus, env=None, workers=(1, 2), pin_memory=False, cgroup_procs
             "    with open(procs, 'w') as f: f.write(str(os.getpid()))\n"
             "from fastloader.main_spin import main_spin_ns\n"
             "print(*[main_spin_ns(int(w), pin) for w in sys.argv[4:]])\n")
-    child_env = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES}
+    child_env = {k: v for k, v in os.environ.items()
+                 if k not in RANK_VARIABLES + main_spin._LAUNCHER_PARENT_VARIABLES}
     child_env.update(env or {})
     child_env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "python"), ROOT])
     args = [",".join(map(str, cpus)), cgroup_procs or "", "1" if pin_memory else "0",
@@ -229,12 +252,19 @@ def test_one_rank_per_node_of_a_bigger_job_still_spins():
                                     "RANK": "3"}) == [SPIN, 0]
 
 
-def rule_on(monkeypatch, own, parents, ranks, quota=None, launcher="TORCHELASTIC_RUN_ID"):
+FAKE_PARENT = 424242
+
+
+def rule_on(monkeypatch, own, parents, ranks, quota=None, launcher="TORCHELASTIC_RUN_ID",
+            parent_has=()):
     """main_spin_ns for 1, 2, 4 and 8 workers, where this process may use `own`
     CPUs and its parent `parents`, with `ranks` ranks on the node, a cgroup quota
-    of `quota` CPUs, and `launcher` the variable its launcher set (None: none)."""
-    parent = os.getppid()
-    monkeypatch.setattr(main_spin, "_affinity", lambda pid=0: parents if pid == parent else own)
+    of `quota` CPUs, `launcher` the variable its launcher set (None: none), and
+    `parent_has` the variables in the parent's own environment."""
+    monkeypatch.setattr(main_spin, "_parent_pid", lambda: FAKE_PARENT)
+    monkeypatch.setattr(main_spin, "_environ_names", lambda pid: set(parent_has))
+    monkeypatch.setattr(main_spin, "_affinity",
+                        lambda pid=0: parents if pid == FAKE_PARENT else own)
     monkeypatch.setattr(main_spin, "cpu_quota", lambda: quota)
     for name in RANK_VARIABLES + main_spin._LAUNCHER_PARENT_VARIABLES:
         monkeypatch.delenv(name, raising=False)
@@ -264,6 +294,18 @@ def test_without_a_launcher_that_is_every_ranks_parent_the_parent_is_not_asked(m
 
 def test_a_launcher_that_cannot_be_asked_counts_as_our_own_cpus(monkeypatch):
     assert rule_on(monkeypatch, own=8, parents=None, ranks=2) == [SPIN, SPIN, 0, 0]
+
+
+def test_a_launcher_variable_the_parent_carries_too_was_inherited_not_set_for_us(monkeypatch):
+    # srun --pty bash, then taskset -c 0-7 and 4 ranks: bash is no launcher
+    assert rule_on(monkeypatch, own=8, parents=32, ranks=4, launcher="SLURM_STEP_ID",
+                   parent_has=["SLURM_STEP_ID"]) == [SPIN, 0, 0, 0]
+
+
+def test_a_processs_environment_names_are_read_from_proc():
+    names = main_spin._environ_names(os.getpid())
+    assert names is not None and "PATH" in names
+    assert main_spin._environ_names(2 ** 22 + 12345) is None   # no such process
 
 
 def test_a_quota_below_the_shared_cpus_leaves_one_cpu_of_it_and_one_above_does_not(

@@ -650,16 +650,18 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         if self._shutdown:
             return
         self._shutdown = True
-        if getattr(self, "_pin_ahead", None) is not None:
-            # on a failure, not even a copy under way may hold up the error
-            self._pin_ahead.close(wait=deferred)
-        self._leave_state_with_loader()
-        pool = self._pool
-        if pool is not None:
-            if deferred:
-                pool.retire(timeout=grace)
-            else:
-                pool.shutdown(timeout=grace)
+        try:
+            if getattr(self, "_pin_ahead", None) is not None:
+                # on a failure, not even a copy under way may hold up the error
+                self._pin_ahead.close(wait=deferred)
+            self._leave_state_with_loader()
+        finally:   # a Ctrl-C in the above still stops the workers
+            pool = self._pool
+            if pool is not None:
+                if deferred:
+                    pool.retire(timeout=grace)
+                else:
+                    pool.shutdown(timeout=grace)
 
     def _leave_state_with_loader(self):
         # the loader answers state_dict() after this iterator is gone (an epoch

@@ -45,21 +45,41 @@ _LOCAL_SIZE_VARIABLES = ("LOCAL_WORLD_SIZE",               # torchrun
                          "MPI_LOCALNRANKS")                # MPICH, Intel MPI
 
 
-# Set by launchers whose processes are their ranks' parents: torchrun's agent,
-# slurmstepd, Open MPI's and PMIx's daemons. (Lightning's own launcher makes rank
-# 0 the parent of the others, and a plain run's parent is a shell: no rank can
-# learn its launcher's CPUs from its parent there.)
+# Set by launchers whose processes are their ranks' parents, for the ranks and not
+# in their own environment: torchrun's agent, slurmstepd, Open MPI's and PMIx's
+# daemons. (Lightning's own launcher makes rank 0 the parent of the others, and
+# a plain run's parent is a shell: no rank can learn its launcher's CPUs from its
+# parent there.)
 _LAUNCHER_PARENT_VARIABLES = ("TORCHELASTIC_RUN_ID", "SLURM_STEP_ID", "OMPI_COMM_WORLD_SIZE",
                               "PMIX_RANK")
 
 
+def _parent_pid() -> int:
+    return os.getppid()
+
+
+def _environ_names(pid: int) -> set | None:
+    """The names in process `pid`'s environment; None if it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            entries = f.read().split(b"\0")
+    except OSError:
+        return None
+    return {entry.split(b"=", 1)[0].decode("utf-8", "surrogateescape")
+            for entry in entries if entry}
+
+
 def _launchers_cpus(own: float) -> float:
     """The CPUs this node's ranks share: their launcher's (our parent's) where a
-    launcher that is every rank's parent started us, else our own."""
-    if not any(name in os.environ for name in _LAUNCHER_PARENT_VARIABLES):
+    launcher that is every rank's parent started us, else our own. A launcher's
+    variable in our environment proves little by itself (a shell inside
+    ``srun --pty bash`` passes SLURM_STEP_ID on): the parent must not carry it."""
+    names = [name for name in _LAUNCHER_PARENT_VARIABLES if name in os.environ]
+    parent = _parent_pid()
+    if not names or parent <= 1:   # no launcher, or it is gone (re-parented)
         return own
-    parent = os.getppid()
-    if parent <= 1:   # the launcher is gone (re-parented to init or a subreaper)
+    parents_names = _environ_names(parent)
+    if parents_names is None or any(name in parents_names for name in names):
         return own
     launcher = _affinity(parent)
     return own if launcher is None else launcher

@@ -41,7 +41,9 @@ MAIN_FDS: set = set()
 os.register_at_fork(after_in_child=MAIN_FDS.clear)
 
 _LIVE_POOLS: "weakref.WeakSet[WorkerPool]" = weakref.WeakSet()
-_LIVE_LOCK = threading.Lock()
+# re-entrant: a signal handler that shuts a loader down may run while this thread
+# holds it
+_LIVE_LOCK = threading.RLock()
 
 # The workers of this process's pools, from their start until they are reaped:
 # the main process's spin rule (main_spin.py) reads it per batch, so it is one
@@ -49,7 +51,8 @@ _LIVE_LOCK = threading.Lock()
 # (shut down, or reaped by the reaper thread), not when it is collected: a
 # collected iterator hands its pool to the reaper, whose workers run on until
 # reaped. A pool leaked without either stays counted: the spin then stays off,
-# which costs speed, never CPU taken from a worker.
+# which costs speed, never CPU taken from a worker. (One the reaper gives up on is
+# counted off: see abandon().)
 _live_workers = 0
 # re-entrant: a signal handler (or, from 3.12, a collection) that shuts a loader
 # down may run between the lines below, on the same thread
@@ -65,10 +68,11 @@ def _count_workers(pool, n: int) -> None:
     """Count `n` workers of `pool` on (n > 0) or all of its workers off (n == 0),
     once: the main thread's shutdown and the reaper thread may both get there."""
     global _live_workers
+    mine = os.getpid() == pool.owner_pid   # a forked child's copy counts nothing
     with _COUNT_LOCK:
+        # two stores, no call between them that a signal handler could interrupt
         before, pool._counted = pool._counted, n
-        if os.getpid() == pool.owner_pid:   # a forked child's copy counts nothing
-            _live_workers += n - before
+        _live_workers += (n - before) if mine else 0
 
 
 def _forget_parents_workers() -> None:
@@ -398,16 +402,20 @@ class WorkerPool:
 
     def shutdown(self, timeout: float = 5.0):
         """Stop the workers and wait for them (failure paths: Ctrl-C, a death). If
-        the wait itself is interrupted (a second Ctrl-C), the reaper thread takes
-        over: it escalates at once, reaps the workers and counts them off."""
-        if self._tell_workers_to_stop():
-            try:
-                self._wait_for_workers(time.monotonic() + timeout)
-            except BaseException:
-                self._deadline = time.monotonic()
-                self._escalated = 0
-                reaper.retire(self)
-                raise
+        that is interrupted (a second Ctrl-C), the reaper thread takes over: it
+        escalates at once (a worker not yet told to stop gets SIGTERM), reaps the
+        workers, releases the channels and counts the workers off."""
+        if self._closed or os.getpid() != self.owner_pid:
+            return
+        try:
+            self._tell_workers_to_stop()
+            self._wait_for_workers(time.monotonic() + timeout)
+        except BaseException:
+            self._closed = True
+            self._deadline = time.monotonic()
+            self._escalated = 0
+            reaper.retire(self)
+            raise
 
     def _wait_for_workers(self, deadline: float):
         """The rest of shutdown(), once the workers were told: join them until
@@ -421,9 +429,7 @@ class WorkerPool:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-        if not self._channels_released:
-            self._channels_released = True
-            self._release_channels()
+        self._release_channels()
         for proc in self.procs:
             try:
                 proc.close()
@@ -437,15 +443,27 @@ class WorkerPool:
         _count_workers(self, 0)
 
     def abandon(self):
-        """The reaper gave up on this pool (its step kept failing): count its
-        workers off, so that a pool past saving does not keep the main process's
-        spin off for good. Interpreter exit still tries to stop them."""
-        self._uncount()
+        """The reaper gave up on this pool (its step kept failing): release its
+        channels, so that no fd number of theirs stays in MAIN_FDS for a later
+        worker to close (the number may be a dataset's file by then), and count
+        its workers off, so that a pool past saving does not keep the main
+        process's spin off for good (they were told to stop; multiprocessing's
+        exit hook still joins them)."""
+        try:
+            self._release_channels()
+        finally:
+            self._uncount()
 
     def _release_channels(self):
+        """Close the main process's ends of the channels, once: an interrupted
+        release is finished by the next call (closing a channel twice is
+        harmless), and only a complete one counts."""
+        if self._channels_released:
+            return
         for ch in self.channels:
             MAIN_FDS.difference_update(ch.main_fds())
             ch.close()
+        self._channels_released = True
 
     # -- deferred shutdown (reaper.py) ----------------------------------------------------
     def retire(self, timeout: float = 5.0):
@@ -477,9 +495,7 @@ class WorkerPool:
                 self._escalated += 1
         if running:
             return False
-        if not self._channels_released:
-            self._channels_released = True
-            self._release_channels()
+        self._release_channels()
         if not all(p.reap_and_close() for p in self.procs):
             return False   # a join elsewhere holds one: look again shortly
         with _LIVE_LOCK:

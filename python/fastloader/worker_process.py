@@ -146,12 +146,19 @@ class WorkerProcess(BaseProcess):
         with self._lock:
             self._close_locked()
 
+    def _proc_closed(self) -> bool:
+        """Whether the multiprocessing object is closed: a close interrupted (a
+        Ctrl-C) between its close() and ours leaves it so, and it then raises on
+        every question; it had exited, and its status was kept first."""
+        return getattr(self._proc, "_closed", False)
+
     def _close_locked(self) -> None:
-        if self._closed:
+        if self._closed or self._proc_closed():
+            self._closed = True
             return
         code = self._proc.exitcode
-        self._proc.close()   # raises while the process runs: nothing changes then
         self._exitcode = code
+        self._proc.close()   # raises while the process runs: nothing changes then
         self._closed = True
 
     # -- for the pool's reaper -------------------------------------------------------------
@@ -161,7 +168,7 @@ class WorkerProcess(BaseProcess):
         if not self._lock.acquire(blocking=False):
             return False
         try:
-            if not self._closed and self._poll_locked() is not None:
+            if not self._closed and (self._proc_closed() or self._poll_locked() is not None):
                 self._close_locked()
             return self._closed
         finally:
@@ -188,7 +195,7 @@ class WorkerProcess(BaseProcess):
         if not self._lock.acquire(blocking=False):
             return False
         try:
-            return self._closed or self._proc.exitcode is not None or bool(
+            return self._closed or self._proc_closed() or self._proc.exitcode is not None or bool(
                 _wait_fds([self._proc.sentinel], 0))
         finally:
             self._lock.release()
