@@ -184,6 +184,70 @@ def test_a_pool_the_reaper_gives_up_on_is_counted_off(monkeypatch):
         proc.join(30)
 
 
+class InterruptedChannel:
+    """A channel whose `method` is interrupted by a Ctrl-C (once)."""
+
+    def __init__(self, channel, method):
+        self.__dict__.update(_channel=channel, _method=method)
+
+    def __getattr__(self, name):
+        if name == self._method:
+            def interrupted(*args):
+                self.__dict__["_method"] = None
+                raise KeyboardInterrupt
+            return interrupted
+        return getattr(self._channel, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._channel, name, value)
+
+
+@pytest.mark.parametrize("how", ["shutdown", "retire"])
+def test_a_ctrl_c_while_the_workers_are_told_to_stop_leaves_them_to_the_reaper(
+        monkeypatch, how):
+    it, base = started_pool_iterator(monkeypatch)
+    workers = it._pool
+    real = workers.channels[1]
+    workers.channels[1] = InterruptedChannel(real, "put_task")
+    with pytest.raises(KeyboardInterrupt):
+        workers.shutdown() if how == "shutdown" else workers.retire(timeout=5.0)
+    workers.channels[1] = real
+    # the untold worker gets SIGTERM from the reaper at once; both are reaped
+    # (no zombie: see conftest) and counted off
+    settle()
+    assert reaper.wait_idle(30)
+    assert pool.live_workers() == base
+    assert all(proc.has_exited() for proc in workers.procs)
+
+
+def test_an_interrupted_teardown_of_an_iterator_still_stops_its_workers(monkeypatch):
+    it, base = started_pool_iterator(monkeypatch)
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(it, "_leave_state_with_loader", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        it._shutdown_workers()
+    settle()
+    assert pool.live_workers() == base
+
+
+def test_an_interrupted_release_of_the_channels_is_finished_by_the_next(monkeypatch):
+    it, base = started_pool_iterator(monkeypatch)
+    workers = it._pool
+    channels = list(workers.channels)
+    workers.channels[1] = InterruptedChannel(channels[1], "close")
+    with pytest.raises(KeyboardInterrupt):
+        workers._release_channels()
+    assert channels[0].closed and not channels[1].closed
+    workers.channels[1] = channels[1]
+    it._shutdown_workers()
+    assert all(ch.closed for ch in channels)
+    assert not {fd for ch in channels for fd in ch.main_fds()} & pool.MAIN_FDS - {-1}
+    assert pool.live_workers() == base
+
+
 def test_a_worker_process_whose_close_was_interrupted_counts_as_closed():
     """A Ctrl-C between multiprocessing's close() and fastloader's leaves the
     multiprocessing object closed: the reaper then finishes it instead of
@@ -194,9 +258,25 @@ def test_a_worker_process_whose_close_was_interrupted_counts_as_closed():
     proc = it._pool.procs[0]
     it._shutdown_workers()   # joined and closed: undo our half of the close
     assert proc.reap_and_close()
+    code = proc.exitcode
     proc._closed = False
     assert proc.has_exited() and proc.reap_and_close()
+    assert proc.exitcode == code and not proc.is_alive()
     proc.close()
+
+
+def test_a_worker_process_interrupted_inside_multiprocessings_close_counts_as_closed():
+    it = iter(fastloader.DataLoader(ds.TensorLabelDataset(8), batch_size=4, num_workers=1,
+                                    persistent_workers=True))
+    next(it)
+    proc = it._pool.procs[0]
+    it._shutdown_workers()
+    code = proc.exitcode
+    # where CPython's close() had dropped its Popen but not yet marked itself closed
+    proc._closed = False
+    proc._proc._closed = False
+    assert proc.has_exited() and proc.reap_and_close()
+    assert proc.exitcode == code and proc.exit_fd() is None
 
 
 def spin_in_child(cpus, env=None, workers=(1, 2), pin_memory=False, cgroup_procs=None):
@@ -259,8 +339,8 @@ def rule_on(monkeypatch, own, parents, ranks, quota=None, launcher="TORCHELASTIC
             parent_has=()):
     """main_spin_ns for 1, 2, 4 and 8 workers, where this process may use `own`
     CPUs and its parent `parents`, with `ranks` ranks on the node, a cgroup quota
-    of `quota` CPUs, `launcher` the variable its launcher set (None: none), and
-    `parent_has` the variables in the parent's own environment."""
+    of `quota` CPUs, `launcher` the variable(s) its launcher set (None: none),
+    and `parent_has` the variables in the parent's own environment."""
     monkeypatch.setattr(main_spin, "_parent_pid", lambda: FAKE_PARENT)
     monkeypatch.setattr(main_spin, "_environ_names", lambda pid: set(parent_has))
     monkeypatch.setattr(main_spin, "_affinity",
@@ -269,8 +349,8 @@ def rule_on(monkeypatch, own, parents, ranks, quota=None, launcher="TORCHELASTIC
     for name in RANK_VARIABLES + main_spin._LAUNCHER_PARENT_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
-    if launcher is not None:
-        monkeypatch.setenv(launcher, "1")
+    for name in (launcher,) if isinstance(launcher, str) else launcher or ():
+        monkeypatch.setenv(name, "1")
     return [main_spin.main_spin_ns(w) for w in (1, 2, 4, 8)]
 
 
@@ -306,6 +386,36 @@ def test_a_processs_environment_names_are_read_from_proc():
     names = main_spin._environ_names(os.getpid())
     assert names is not None and "PATH" in names
     assert main_spin._environ_names(2 ** 22 + 12345) is None   # no such process
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="plays a second user with setuid (root only)")
+def test_another_users_process_shows_no_environment_names():
+    """slurmstepd runs as root: a rank cannot read its environment, and that
+    makes it no shell of the rank's user (so a launcher)."""
+    r, w = os.pipe()
+    me = os.getpid()
+    child = os.fork()
+    if child == 0:
+        try:
+            os.setuid(65534)
+            got = main_spin._environ_names(me)
+            os.write(w, repr(got).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        with os.fdopen(r) as f:
+            got = f.read()
+    finally:
+        os.waitpid(child, 0)
+    assert got == "set()", got
+
+
+def test_a_launcher_started_inside_another_counts(monkeypatch):
+    # srun torchrun: the agent carries SLURM_STEP_ID, not TORCHELASTIC_RUN_ID
+    assert rule_on(monkeypatch, own=8, parents=64, ranks=8,
+                   launcher=("TORCHELASTIC_RUN_ID", "SLURM_STEP_ID"),
+                   parent_has=["SLURM_STEP_ID"]) == [SPIN, SPIN, SPIN, 0]
 
 
 def test_a_quota_below_the_shared_cpus_leaves_one_cpu_of_it_and_one_above_does_not(

@@ -59,10 +59,14 @@ def _parent_pid() -> int:
 
 
 def _environ_names(pid: int) -> set | None:
-    """The names in process `pid`'s environment; None if it cannot be read."""
+    """The names in process `pid`'s environment: none where it is another user's
+    (slurmstepd runs as root), which no shell of ours is; None where it is gone
+    or unreadable otherwise."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             entries = f.read().split(b"\0")
+    except PermissionError:
+        return set()
     except OSError:
         return None
     return {entry.split(b"=", 1)[0].decode("utf-8", "surrogateescape")
@@ -73,13 +77,14 @@ def _launchers_cpus(own: float) -> float:
     """The CPUs this node's ranks share: their launcher's (our parent's) where a
     launcher that is every rank's parent started us, else our own. A launcher's
     variable in our environment proves little by itself (a shell inside
-    ``srun --pty bash`` passes SLURM_STEP_ID on): the parent must not carry it."""
+    ``srun --pty bash`` passes SLURM_STEP_ID on): the parent must lack one of them
+    (torchrun started by srun carries SLURM_STEP_ID, not TORCHELASTIC_RUN_ID)."""
     names = [name for name in _LAUNCHER_PARENT_VARIABLES if name in os.environ]
     parent = _parent_pid()
     if not names or parent <= 1:   # no launcher, or it is gone (re-parented)
         return own
     parents_names = _environ_names(parent)
-    if parents_names is None or any(name in parents_names for name in names):
+    if parents_names is None or all(name in parents_names for name in names):
         return own
     launcher = _affinity(parent)
     return own if launcher is None else launcher

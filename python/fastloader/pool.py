@@ -76,9 +76,12 @@ def _count_workers(pool, n: int) -> None:
 
 
 def _forget_parents_workers() -> None:
-    global _live_workers, _COUNT_LOCK
+    global _live_workers, _COUNT_LOCK, _LIVE_LOCK
     _live_workers = 0
-    _COUNT_LOCK = threading.RLock()   # fork may have copied it held by a thread not here
+    # fork may have copied these held by a thread not here (the reaper's)
+    _COUNT_LOCK = threading.RLock()
+    _LIVE_LOCK = threading.RLock()
+    _LIVE_POOLS.clear()   # the parent's, not this process's to stop
 
 
 os.register_at_fork(after_in_child=_forget_parents_workers)
@@ -447,10 +450,20 @@ class WorkerPool:
         channels, so that no fd number of theirs stays in MAIN_FDS for a later
         worker to close (the number may be a dataset's file by then), and count
         its workers off, so that a pool past saving does not keep the main
-        process's spin off for good (they were told to stop; multiprocessing's
-        exit hook still joins them)."""
+        process's spin off for good. The workers are killed first (at most a
+        second's wait), so that none can still make a named segment once the
+        channels have removed theirs; multiprocessing's exit hook joins them."""
         try:
-            self._release_channels()
+            try:
+                for proc in self.procs:
+                    if not proc.has_exited():
+                        proc.signal_nowait(signal.SIGKILL)
+                give_up = time.monotonic() + 1.0
+                while (time.monotonic() < give_up
+                       and not all(proc.has_exited() for proc in self.procs)):
+                    time.sleep(0.01)
+            finally:
+                self._release_channels()
         finally:
             self._uncount()
 
@@ -471,11 +484,18 @@ class WorkerPool:
         them, releases the channels (named segments are removed only once no
         worker can make one), reaps them, and terminates (then kills) one still
         running `timeout` seconds from now."""
-        if not self._tell_workers_to_stop():
+        if self._closed or os.getpid() != self.owner_pid:
             return
         self._deadline = time.monotonic() + timeout
         self._escalated = 0
-        reaper.retire(self)
+        try:
+            self._tell_workers_to_stop()
+        except BaseException:   # interrupted: escalate at once (the untold get SIGTERM)
+            self._closed = True
+            self._deadline = time.monotonic()
+            raise
+        finally:
+            reaper.retire(self)
 
     def hurry(self, seconds: float):
         """Interpreter exit: no more than `seconds` before escalating."""

@@ -76,7 +76,7 @@ class WorkerProcess(BaseProcess):
 
     @property
     def sentinel(self) -> int:
-        if self._closed:
+        if self._closed or self._proc_closed():
             raise ValueError("the worker has exited and its process object was closed")
         return self._proc.sentinel
 
@@ -85,12 +85,14 @@ class WorkerProcess(BaseProcess):
     def exitcode(self) -> Optional[int]:
         """None while running; the exit status, or -N for a death by signal N."""
         with self._lock:
+            self._sync_closed()
             if not self._closed:
                 self._exitcode = self._poll_locked()
             return self._exitcode
 
     def is_alive(self) -> bool:
         with self._lock:
+            self._sync_closed()
             if self._closed:
                 return False
             self._poll_locked()
@@ -99,6 +101,7 @@ class WorkerProcess(BaseProcess):
     def join(self, timeout: Optional[float] = None) -> None:
         # held while waiting: the reaper never closes the sentinel being waited on
         with self._lock:
+            self._sync_closed()
             if not self._closed:
                 self._proc.join(timeout)
                 self._exitcode = self._poll_locked()
@@ -132,11 +135,13 @@ class WorkerProcess(BaseProcess):
     # -- signals: only while the process is ours (not yet reaped) -----------------------
     def terminate(self) -> None:
         with self._lock:
+            self._sync_closed()
             if not self._closed:
                 self._proc.terminate()
 
     def kill(self) -> None:
         with self._lock:
+            self._sync_closed()
             if not self._closed:
                 self._proc.kill()
 
@@ -147,14 +152,20 @@ class WorkerProcess(BaseProcess):
             self._close_locked()
 
     def _proc_closed(self) -> bool:
-        """Whether the multiprocessing object is closed: a close interrupted (a
-        Ctrl-C) between its close() and ours leaves it so, and it then raises on
-        every question; it had exited, and its status was kept first."""
-        return getattr(self._proc, "_closed", False)
+        """Whether the multiprocessing object is closed (or closing: a started
+        process has no _popen only from close() on): a close interrupted (a
+        Ctrl-C) before ours finished leaves it so, and it then raises on every
+        question; it had exited, and its status was kept first."""
+        return getattr(self._proc, "_closed", False) or getattr(self._proc, "_popen", 1) is None
+
+    def _sync_closed(self) -> None:
+        # (lock held)
+        if not self._closed and self._proc_closed():
+            self._closed = True
 
     def _close_locked(self) -> None:
-        if self._closed or self._proc_closed():
-            self._closed = True
+        self._sync_closed()
+        if self._closed:
             return
         code = self._proc.exitcode
         self._exitcode = code
@@ -168,7 +179,8 @@ class WorkerProcess(BaseProcess):
         if not self._lock.acquire(blocking=False):
             return False
         try:
-            if not self._closed and (self._proc_closed() or self._poll_locked() is not None):
+            self._sync_closed()
+            if not self._closed and self._poll_locked() is not None:
                 self._close_locked()
             return self._closed
         finally:
@@ -179,6 +191,8 @@ class WorkerProcess(BaseProcess):
         join holding it has not reaped the process yet, so the pid is still ours)."""
         locked = self._lock.acquire(blocking=False)
         try:
+            if locked:
+                self._sync_closed()
             if locked and (self._closed or self._proc.exitcode is not None):
                 return
             try:
@@ -195,7 +209,8 @@ class WorkerProcess(BaseProcess):
         if not self._lock.acquire(blocking=False):
             return False
         try:
-            return self._closed or self._proc_closed() or self._proc.exitcode is not None or bool(
+            self._sync_closed()
+            return self._closed or self._proc.exitcode is not None or bool(
                 _wait_fds([self._proc.sentinel], 0))
         finally:
             self._lock.release()
@@ -205,6 +220,7 @@ class WorkerProcess(BaseProcess):
         if not self._lock.acquire(blocking=False):
             return None
         try:
+            self._sync_closed()
             return None if self._closed else self._proc.sentinel
         finally:
             self._lock.release()
