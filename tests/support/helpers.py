@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
@@ -298,6 +299,17 @@ def loopback_channels(tag, task_capacity=1 << 16, task_window=0):
         yield main, worker
     finally:
         main.close()
+
+
+def publish_later(worker, seq, after):
+    """Publish batch `seq` ({"seq": seq}) on the worker end `worker` from a thread,
+    `after` seconds from now; returns the thread (join it)."""
+    def run():
+        time.sleep(after)
+        worker.publish(_core.RES_BATCH, seq, {"seq": seq})
+    t = threading.Thread(target=run)
+    t.start()
+    return t
 
 
 def shm_names():

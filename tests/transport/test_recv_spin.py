@@ -12,6 +12,7 @@ import time
 import pytest
 
 from fastloader import _core
+from tests.support import helpers
 from tests.support.helpers import loopback_channels
 
 PUBLISH_AFTER_S = 0.2
@@ -34,12 +35,7 @@ def two_pairs():
 
 
 def publish_later(worker, seq, after=PUBLISH_AFTER_S):
-    def run():
-        time.sleep(after)
-        worker.publish(_core.RES_BATCH, seq, {"seq": seq})
-    t = threading.Thread(target=run)
-    t.start()
-    return t
+    return helpers.publish_later(worker, seq, after)
 
 
 @needs_two_cpus

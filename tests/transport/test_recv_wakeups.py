@@ -3,13 +3,13 @@ result of another worker does not wake it (in order, it could not be yielded yet
 the due worker's result and the end of the wait still do, and what was published
 meanwhile is taken by the next call."""
 import os
-import threading
 import time
 
 import pytest
 
 import fastloader  # noqa: F401  (registers the codec hooks)
 from fastloader import _core
+from tests.support import helpers
 
 PUBLISH_AFTER_S = 0.2
 TIMEOUT_S = 1.5
@@ -35,12 +35,7 @@ def two_channels():
 
 
 def publish_later(worker, seq):
-    def run():
-        time.sleep(PUBLISH_AFTER_S)
-        worker.publish(_core.RES_BATCH, seq, {"seq": seq})
-    t = threading.Thread(target=run)
-    t.start()
-    return t
+    return helpers.publish_later(worker, seq, PUBLISH_AFTER_S)
 
 
 def timed_recv(mains, only_prefer):
