@@ -487,6 +487,37 @@ def test_unreadable_odd_or_garbled_cgroup_files_mean_no_quota(tmp_path):
     assert limit(tmp_path) is None
 
 
+def test_this_processs_quota_is_found_again_only_when_stale_or_moved(tmp_path, monkeypatch):
+    """Every iter() asks (main_spin.py); reading mountinfo and a file per level each
+    time cost ~70 us. The answer is kept for _KEEP_S seconds, and only while this
+    process stays in the same cgroup."""
+    fs = tmp_path / "fs"
+    write(tmp_path / "cgroup", "0::/job\n")
+    write(tmp_path / "mountinfo", mountinfo_line("/", fs, "cgroup2", "rw"))
+    write(str(fs / "job" / "cpu.max"), "150000 100000\n")
+    write(str(fs / "other" / "cpu.max"), "300000 100000\n")
+    monkeypatch.setattr(cgroup_cpus, "_SELF_CGROUP", str(tmp_path / "cgroup"))
+    monkeypatch.setattr(cgroup_cpus, "_SELF_MOUNTINFO", str(tmp_path / "mountinfo"))
+    monkeypatch.setattr(cgroup_cpus, "_kept", None)
+    now = [1000.0]
+    monkeypatch.setattr(cgroup_cpus.time, "monotonic", lambda: now[0])
+    searches = []
+    real_mounts = cgroup_cpus._mounts
+    monkeypatch.setattr(cgroup_cpus, "_mounts",
+                        lambda *a: searches.append(1) or real_mounts(*a))
+
+    assert cgroup_cpus.cpu_quota() == 1.5 and len(searches) == 1
+    write(str(fs / "job" / "cpu.max"), "250000 100000\n")   # resized meanwhile
+    now[0] += cgroup_cpus._KEEP_S / 2
+    assert cgroup_cpus.cpu_quota() == 1.5 and len(searches) == 1     # kept
+    now[0] += cgroup_cpus._KEEP_S
+    assert cgroup_cpus.cpu_quota() == 2.5 and len(searches) == 2     # stale: found again
+    write(tmp_path / "cgroup", "0::/other\n")                         # moved
+    assert cgroup_cpus.cpu_quota() == 3.0 and len(searches) == 3
+    # explicit files are never the process's own: always read
+    assert limit(tmp_path) == 3.0 and len(searches) == 4
+
+
 def _sweep_test_cgroups(base):
     """Test cgroups a killed run left behind (empty once its child exited)."""
     for path in glob.glob(os.path.join(base, CGROUP_PREFIX + "*")):

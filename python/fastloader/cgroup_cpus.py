@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 
 def _unescape(field: str) -> str:
     """A /proc/self/mountinfo path: spaces and the like are octal escapes (\\040)."""
@@ -78,10 +79,40 @@ def _quota(version: int, directory: str) -> float | None:
     return None if quota < 0 else quota / int(_read(directory, "cpu.cfs_period_us"))
 
 
-def cpu_quota(proc_cgroup: str = "/proc/self/cgroup",
-              mountinfo: str = "/proc/self/mountinfo") -> float | None:
+# Finding the quota reads mountinfo and a file per cgroup level, ~70 us, and
+# main_spin.py asks at every iter() (a short validation epoch pays it each time).
+# A quota rarely changes: this process's answer is kept for a few seconds, for as
+# long as it stays in the same cgroups (one moved elsewhere asks again).
+_SELF_CGROUP = "/proc/self/cgroup"
+_SELF_MOUNTINFO = "/proc/self/mountinfo"
+_KEEP_S = 10.0
+_kept = None   # (/proc/self/cgroup's text, time.monotonic() when found, quota)
+
+
+def _membership() -> str | None:
+    try:
+        with open(_SELF_CGROUP, errors="surrogateescape") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def cpu_quota(proc_cgroup: str | None = None, mountinfo: str | None = None) -> float | None:
     """The tightest CPU quota on the way from this process's cgroup up (a
-    parent's quota caps its children), in CPUs; None where there is none."""
+    parent's quota caps its children), in CPUs; None where there is none. Without
+    arguments: this process's, found again at most every _KEEP_S seconds."""
+    global _kept
+    if proc_cgroup is not None or mountinfo is not None:
+        return _tightest(proc_cgroup or _SELF_CGROUP, mountinfo or _SELF_MOUNTINFO)
+    membership, now, kept = _membership(), time.monotonic(), _kept
+    if kept is not None and kept[0] == membership and 0 <= now - kept[1] < _KEEP_S:
+        return kept[2]
+    quota = _tightest(_SELF_CGROUP, _SELF_MOUNTINFO)
+    _kept = (membership, now, quota)
+    return quota
+
+
+def _tightest(proc_cgroup: str, mountinfo: str) -> float | None:
     found = []
     for version, directories in _cgroups("cpu", proc_cgroup, mountinfo):
         for directory in directories:
