@@ -336,15 +336,15 @@ FAKE_PARENT = 424242
 
 
 def rule_on(monkeypatch, own, parents, ranks, quota=None, launcher="TORCHELASTIC_RUN_ID",
-            parent_has=()):
+            parent_has=(), parent_pid=FAKE_PARENT):
     """main_spin_ns for 1, 2, 4 and 8 workers, where this process may use `own`
     CPUs and its parent `parents`, with `ranks` ranks on the node, a cgroup quota
     of `quota` CPUs, `launcher` the variable(s) its launcher set (None: none),
     and `parent_has` the variables in the parent's own environment."""
-    monkeypatch.setattr(main_spin, "_parent_pid", lambda: FAKE_PARENT)
+    monkeypatch.setattr(main_spin, "_parent_pid", lambda: parent_pid)
     monkeypatch.setattr(main_spin, "_environ_names", lambda pid: set(parent_has))
     monkeypatch.setattr(main_spin, "_affinity",
-                        lambda pid=0: parents if pid == FAKE_PARENT else own)
+                        lambda pid=0: parents if pid and pid == parent_pid else own)
     monkeypatch.setattr(main_spin, "cpu_quota", lambda: quota)
     for name in RANK_VARIABLES + main_spin._LAUNCHER_PARENT_VARIABLES:
         monkeypatch.delenv(name, raising=False)
@@ -416,6 +416,15 @@ def test_a_launcher_started_inside_another_counts(monkeypatch):
     assert rule_on(monkeypatch, own=8, parents=64, ranks=8,
                    launcher=("TORCHELASTIC_RUN_ID", "SLURM_STEP_ID"),
                    parent_has=["SLURM_STEP_ID"]) == [SPIN, SPIN, SPIN, 0]
+
+
+def test_a_launcher_that_is_the_containers_first_process_counts(monkeypatch):
+    # docker run ... torchrun: the agent is PID 1 in the container's namespace
+    assert rule_on(monkeypatch, own=8, parents=64, ranks=8,
+                   parent_pid=1) == [SPIN, SPIN, SPIN, 0]
+    # a parent outside our PID namespace (getppid() 0) cannot be asked: the 8 ranks
+    # count as sharing our own 8 CPUs, and no worker fits beside a spin
+    assert rule_on(monkeypatch, own=8, parents=64, ranks=8, parent_pid=0) == [0, 0, 0, 0]
 
 
 def test_a_quota_below_the_shared_cpus_leaves_one_cpu_of_it_and_one_above_does_not(

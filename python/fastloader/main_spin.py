@@ -81,7 +81,10 @@ def _launchers_cpus(own: float) -> float:
     (torchrun started by srun carries SLURM_STEP_ID, not TORCHELASTIC_RUN_ID)."""
     names = [name for name in _LAUNCHER_PARENT_VARIABLES if name in os.environ]
     parent = _parent_pid()
-    if not names or parent <= 1:   # no launcher, or it is gone (re-parented)
+    # parent 0: outside our PID namespace, nothing to ask. PID 1 may be the
+    # launcher (torchrun as a container's entrypoint) or init after the launcher
+    # died; init lacks the variables too, and its CPUs are the node's.
+    if not names or parent <= 0:
         return own
     parents_names = _environ_names(parent)
     if parents_names is None or all(name in parents_names for name in names):
