@@ -336,15 +336,25 @@ FAKE_PARENT = 424242
 
 
 def rule_on(monkeypatch, own, parents, ranks, quota=None, launcher="TORCHELASTIC_RUN_ID",
-            parent_has=(), parent_pid=FAKE_PARENT):
+            parent_has=(), parent_pid=FAKE_PARENT, first_parent=None, container=False,
+            asked=None):
     """main_spin_ns for 1, 2, 4 and 8 workers, where this process may use `own`
     CPUs and its parent `parents`, with `ranks` ranks on the node, a cgroup quota
     of `quota` CPUs, `launcher` the variable(s) its launcher set (None: none),
-    and `parent_has` the variables in the parent's own environment."""
+    and `parent_has` the variables in the parent's own environment. The parent is
+    `parent_pid` (at import: `first_parent`, by default the same), in a PID
+    namespace of its own where `container`; `asked` collects the pids whose
+    environment or CPUs were read."""
+    asked = [] if asked is None else asked
     monkeypatch.setattr(main_spin, "_parent_pid", lambda: parent_pid)
-    monkeypatch.setattr(main_spin, "_environ_names", lambda pid: set(parent_has))
+    monkeypatch.setattr(main_spin, "_first_parent",
+                        parent_pid if first_parent is None else first_parent)
+    monkeypatch.setattr(main_spin, "_in_child_pid_namespace", lambda: container)
+    monkeypatch.setattr(main_spin, "_environ_names",
+                        lambda pid: asked.append(pid) or set(parent_has))
     monkeypatch.setattr(main_spin, "_affinity",
-                        lambda pid=0: parents if pid and pid == parent_pid else own)
+                        lambda pid=0: own if pid == 0 else asked.append(pid) or (
+                            parents if pid == parent_pid else None))
     monkeypatch.setattr(main_spin, "cpu_quota", lambda: quota)
     for name in RANK_VARIABLES + main_spin._LAUNCHER_PARENT_VARIABLES:
         monkeypatch.delenv(name, raising=False)
@@ -418,13 +428,64 @@ def test_a_launcher_started_inside_another_counts(monkeypatch):
                    parent_has=["SLURM_STEP_ID"]) == [SPIN, SPIN, SPIN, 0]
 
 
-def test_a_launcher_that_is_the_containers_first_process_counts(monkeypatch):
+def test_a_launcher_that_is_a_containers_first_process_counts(monkeypatch):
     # docker run ... torchrun: the agent is PID 1 in the container's namespace
-    assert rule_on(monkeypatch, own=8, parents=64, ranks=8,
-                   parent_pid=1) == [SPIN, SPIN, SPIN, 0]
-    # a parent outside our PID namespace (getppid() 0) cannot be asked: the 8 ranks
-    # count as sharing our own 8 CPUs, and no worker fits beside a spin
-    assert rule_on(monkeypatch, own=8, parents=64, ranks=8, parent_pid=0) == [0, 0, 0, 0]
+    assert rule_on(monkeypatch, own=8, parents=64, ranks=8, parent_pid=1,
+                   container=True) == [SPIN, SPIN, SPIN, 0]
+
+
+def test_init_that_took_over_from_a_dead_launcher_is_no_launcher(monkeypatch):
+    """torchrun killed, its ranks re-parented to init: init lacks the launcher's
+    variables like a launcher, but its CPUs are the whole machine's. 8 ranks share
+    8 CPUs: none spins."""
+    asked = []
+    # the machine's own init (the first PID namespace)
+    assert rule_on(monkeypatch, own=8, parents=64, ranks=8, parent_pid=1,
+                   asked=asked) == [0, 0, 0, 0]
+    # a container's init (tini) that took over: PID 1 was not our parent at first
+    assert rule_on(monkeypatch, own=8, parents=64, ranks=8, parent_pid=1,
+                   first_parent=FAKE_PARENT, container=True, asked=asked) == [0, 0, 0, 0]
+    # a parent outside our PID namespace (getppid() 0): nothing to ask
+    assert rule_on(monkeypatch, own=8, parents=64, ranks=8, parent_pid=0,
+                   asked=asked) == [0, 0, 0, 0]
+    assert asked == []
+
+
+def test_the_parent_at_import_is_remembered_per_process():
+    """A forked child (a rank started by a launcher that forks) remembers its own
+    parent, not the parent of the process it was forked from."""
+    assert main_spin._first_parent == os.getppid()
+    r, w = os.pipe()
+    child = os.fork()
+    if child == 0:
+        try:
+            os.write(w, str(main_spin._first_parent).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        with os.fdopen(r) as f:
+            got = f.read()
+    finally:
+        os.waitpid(child, 0)
+    assert got == str(os.getpid())
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/usr/bin/unshare"),
+                    reason="needs root and unshare to make a PID namespace")
+def test_a_pid_namespace_of_its_own_is_told_apart():
+    probe = [sys.executable, "-c",
+             "import sys; sys.path[:0] = ['python', '.']; from fastloader import main_spin; "
+             "print(main_spin._in_child_pid_namespace())"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(["python", "."]))
+    host = subprocess.run(probe, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    inner = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", *probe], cwd=ROOT,
+                           env=env, capture_output=True, text=True, timeout=120)
+    if inner.returncode != 0 and "unshare" in inner.stderr:
+        pytest.skip(f"no PID namespace here: {inner.stderr.strip()}")
+    assert inner.stdout.strip() == "True", inner.stderr
+    if os.readlink("/proc/self/ns/pid") == f"pid:[{main_spin._INITIAL_PID_NAMESPACE}]":
+        assert host.stdout.strip() == "False", host.stderr
 
 
 def test_a_quota_below_the_shared_cpus_leaves_one_cpu_of_it_and_one_above_does_not(
@@ -509,7 +570,7 @@ def test_this_processs_quota_is_found_again_only_when_stale_or_moved(tmp_path, m
     monkeypatch.setattr(cgroup_cpus, "_SELF_MOUNTINFO", str(tmp_path / "mountinfo"))
     monkeypatch.setattr(cgroup_cpus, "_kept", None)
     now = [1000.0]
-    monkeypatch.setattr(cgroup_cpus.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(cgroup_cpus, "_monotonic", lambda: now[0])
     searches = []
     real_mounts = cgroup_cpus._mounts
     monkeypatch.setattr(cgroup_cpus, "_mounts",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import re
-import time
+from time import monotonic as _monotonic
 
 def _unescape(field: str) -> str:
     """A /proc/self/mountinfo path: spaces and the like are octal escapes (\\040)."""
@@ -86,7 +86,7 @@ def _quota(version: int, directory: str) -> float | None:
 _SELF_CGROUP = "/proc/self/cgroup"
 _SELF_MOUNTINFO = "/proc/self/mountinfo"
 _KEEP_S = 10.0
-_kept = None   # (/proc/self/cgroup's text, time.monotonic() when found, quota)
+_kept = None   # (/proc/self/cgroup's text, _monotonic() when found, quota)
 
 
 def _membership() -> str | None:
@@ -104,7 +104,7 @@ def cpu_quota(proc_cgroup: str | None = None, mountinfo: str | None = None) -> f
     global _kept
     if proc_cgroup is not None or mountinfo is not None:
         return _tightest(proc_cgroup or _SELF_CGROUP, mountinfo or _SELF_MOUNTINFO)
-    membership, now, kept = _membership(), time.monotonic(), _kept
+    membership, now, kept = _membership(), _monotonic(), _kept
     if kept is not None and kept[0] == membership and 0 <= now - kept[1] < _KEEP_S:
         return kept[2]
     quota = _tightest(_SELF_CGROUP, _SELF_MOUNTINFO)

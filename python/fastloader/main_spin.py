@@ -58,6 +58,46 @@ def _parent_pid() -> int:
     return os.getppid()
 
 
+# Our parent when this module was imported (or this process forked): a parent
+# that is PID 1 now but was not then is init, or a container's init, that took
+# us over when the launcher died, not the launcher.
+_first_parent = os.getppid()
+
+
+def _remember_parent() -> None:
+    global _first_parent
+    _first_parent = os.getppid()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_remember_parent)
+
+# The inode of the first PID namespace (the kernel's PROC_PID_INIT_INO): where
+# /proc/self/ns/pid has it, PID 1 is the machine's init, never a launcher.
+_INITIAL_PID_NAMESPACE = 0xEFFFFFFC
+
+
+def _in_child_pid_namespace() -> bool:
+    """Whether this process runs in a PID namespace of its own (a container),
+    where PID 1 may be the launcher (torchrun as the entrypoint). False where it
+    cannot be told."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino != _INITIAL_PID_NAMESPACE
+    except OSError:
+        return False
+
+
+def _launcher_may_be(parent: int) -> bool:
+    """Whether process `parent`, our parent, may be a launcher at all: not one
+    outside our PID namespace (getppid() 0), and PID 1 only where it is a
+    container's first process and was our parent from the start."""
+    if parent <= 0:
+        return False
+    if parent == 1:
+        return _first_parent == 1 and _in_child_pid_namespace()
+    return True
+
+
 def _environ_names(pid: int) -> set | None:
     """The names in process `pid`'s environment: none where it is another user's
     (slurmstepd runs as root), which no shell of ours is; None where it is gone
@@ -81,10 +121,7 @@ def _launchers_cpus(own: float) -> float:
     (torchrun started by srun carries SLURM_STEP_ID, not TORCHELASTIC_RUN_ID)."""
     names = [name for name in _LAUNCHER_PARENT_VARIABLES if name in os.environ]
     parent = _parent_pid()
-    # parent 0: outside our PID namespace, nothing to ask. PID 1 may be the
-    # launcher (torchrun as a container's entrypoint) or init after the launcher
-    # died; init lacks the variables too, and its CPUs are the node's.
-    if not names or parent <= 0:
+    if not names or not _launcher_may_be(parent):
         return own
     parents_names = _environ_names(parent)
     if parents_names is None or all(name in parents_names for name in names):
