@@ -337,19 +337,21 @@ FAKE_PARENT = 424242
 
 def rule_on(monkeypatch, own, parents, ranks, quota=None, launcher="TORCHELASTIC_RUN_ID",
             parent_has=(), parent_pid=FAKE_PARENT, first_parent=None, container=False,
-            asked=None):
+            proc_ours=True, asked=None):
     """main_spin_ns for 1, 2, 4 and 8 workers, where this process may use `own`
     CPUs and its parent `parents`, with `ranks` ranks on the node, a cgroup quota
     of `quota` CPUs, `launcher` the variable(s) its launcher set (None: none),
     and `parent_has` the variables in the parent's own environment. The parent is
     `parent_pid` (at import: `first_parent`, by default the same), in a PID
-    namespace of its own where `container`; `asked` collects the pids whose
-    environment or CPUs were read."""
+    namespace of its own where `container`, /proc numbering processes as we do
+    where `proc_ours`; `asked` collects the pids whose environment or CPUs were
+    read."""
     asked = [] if asked is None else asked
     monkeypatch.setattr(main_spin, "_parent_pid", lambda: parent_pid)
     monkeypatch.setattr(main_spin, "_first_parent",
                         parent_pid if first_parent is None else first_parent)
     monkeypatch.setattr(main_spin, "_in_child_pid_namespace", lambda: container)
+    monkeypatch.setattr(main_spin, "_proc_is_ours", lambda: proc_ours)
     monkeypatch.setattr(main_spin, "_environ_names",
                         lambda pid: asked.append(pid) or set(parent_has))
     monkeypatch.setattr(main_spin, "_affinity",
@@ -445,10 +447,30 @@ def test_init_that_took_over_from_a_dead_launcher_is_no_launcher(monkeypatch):
     # a container's init (tini) that took over: PID 1 was not our parent at first
     assert rule_on(monkeypatch, own=8, parents=64, ranks=8, parent_pid=1,
                    first_parent=FAKE_PARENT, container=True, asked=asked) == [0, 0, 0, 0]
+    # a subreaper (systemd --user, tini -s) that took over
+    assert rule_on(monkeypatch, own=8, parents=64, ranks=8, first_parent=FAKE_PARENT + 1,
+                   asked=asked) == [0, 0, 0, 0]
     # a parent outside our PID namespace (getppid() 0): nothing to ask
     assert rule_on(monkeypatch, own=8, parents=64, ranks=8, parent_pid=0,
                    asked=asked) == [0, 0, 0, 0]
     assert asked == []
+
+
+def test_a_proc_of_another_pid_namespace_is_not_asked(monkeypatch):
+    """unshare --pid without --mount-proc: /proc/<our ppid> is another process
+    (its /proc/1 the machine's init), so the parent's CPUs cannot be read there."""
+    asked = []
+    assert rule_on(monkeypatch, own=8, parents=64, ranks=8, proc_ours=False,
+                   asked=asked) == [0, 0, 0, 0]
+    assert rule_on(monkeypatch, own=8, parents=64, ranks=8, parent_pid=1, container=True,
+                   proc_ours=False, asked=asked) == [0, 0, 0, 0]
+    assert asked == []
+
+
+def test_this_processs_pid_namespace_and_proc_are_read_right():
+    initial = os.readlink("/proc/self/ns/pid") == "pid:[4026531836]"   # PROC_PID_INIT_INO
+    assert main_spin._in_child_pid_namespace() == (not initial)
+    assert main_spin._proc_is_ours()
 
 
 def test_the_parent_at_import_is_remembered_per_process():
@@ -484,7 +506,7 @@ def test_a_pid_namespace_of_its_own_is_told_apart():
     if inner.returncode != 0 and "unshare" in inner.stderr:
         pytest.skip(f"no PID namespace here: {inner.stderr.strip()}")
     assert inner.stdout.strip() == "True", inner.stderr
-    if os.readlink("/proc/self/ns/pid") == f"pid:[{main_spin._INITIAL_PID_NAMESPACE}]":
+    if os.readlink("/proc/self/ns/pid") == "pid:[4026531836]":   # PROC_PID_INIT_INO
         assert host.stdout.strip() == "False", host.stderr
 
 

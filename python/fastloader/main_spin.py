@@ -58,9 +58,9 @@ def _parent_pid() -> int:
     return os.getppid()
 
 
-# Our parent when this module was imported (or this process forked): a parent
-# that is PID 1 now but was not then is init, or a container's init, that took
-# us over when the launcher died, not the launcher.
+# Our parent when this module was imported (or this process forked). A parent
+# differs from it only by having taken us over when that one died: init, a
+# container's init or a subreaper (systemd --user, tini -s), never the launcher.
 _first_parent = os.getppid()
 
 
@@ -87,15 +87,24 @@ def _in_child_pid_namespace() -> bool:
         return False
 
 
-def _launcher_may_be(parent: int) -> bool:
-    """Whether process `parent`, our parent, may be a launcher at all: not one
-    outside our PID namespace (getppid() 0), and PID 1 only where it is a
-    container's first process and was our parent from the start."""
-    if parent <= 0:
+def _proc_is_ours() -> bool:
+    """Whether /proc numbers processes as getppid() does: under `unshare --pid`
+    without a /proc of its own, /proc/<ppid> is another namespace's process (its
+    /proc/1 the machine's init)."""
+    try:
+        return os.readlink("/proc/self") == str(os.getpid())
+    except OSError:
         return False
-    if parent == 1:
-        return _first_parent == 1 and _in_child_pid_namespace()
-    return True
+
+
+def _launcher_may_be(parent: int) -> bool:
+    """Whether process `parent`, our parent, may be a launcher at all: the parent
+    we started under (not one that took us over), inside our PID namespace
+    (getppid() 0 is outside it), readable through our /proc, and PID 1 only where
+    that is a container's first process."""
+    if parent <= 0 or parent != _first_parent or not _proc_is_ours():
+        return False
+    return parent != 1 or _in_child_pid_namespace()
 
 
 def _environ_names(pid: int) -> set | None:
