@@ -80,7 +80,8 @@ def _quota(version: int, directory: str) -> float | None:
 
 
 # Finding the quota reads mountinfo and a file per cgroup level, ~70 us, and
-# main_spin.py asks at every iter() (a short validation epoch pays it each time).
+# main_spin.py asks whenever an iterator is made (every iter() without persistent
+# workers: a short validation epoch paid it each time).
 # A quota rarely changes: this process's answer is kept for a few seconds, for as
 # long as it stays in the same cgroups (one moved elsewhere asks again).
 _SELF_CGROUP = "/proc/self/cgroup"
