@@ -394,6 +394,23 @@ def test_a_launcher_variable_the_parent_carries_too_was_inherited_not_set_for_us
                    parent_has=["SLURM_STEP_ID"]) == [SPIN, 0, 0, 0]
 
 
+def in_forked_child(fn):
+    """repr(fn()) as computed in a forked child of this process."""
+    r, w = os.pipe()
+    child = os.fork()
+    if child == 0:
+        try:
+            os.write(w, repr(fn()).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        with os.fdopen(r) as f:
+            return f.read()
+    finally:
+        os.waitpid(child, 0)
+
+
 def test_a_processs_environment_names_are_read_from_proc():
     names = main_spin._environ_names(os.getpid())
     assert names is not None and "PATH" in names
@@ -404,22 +421,13 @@ def test_a_processs_environment_names_are_read_from_proc():
 def test_another_users_process_shows_no_environment_names():
     """slurmstepd runs as root: a rank cannot read its environment, and that
     makes it no shell of the rank's user (so a launcher)."""
-    r, w = os.pipe()
     me = os.getpid()
-    child = os.fork()
-    if child == 0:
-        try:
-            os.setuid(65534)
-            got = main_spin._environ_names(me)
-            os.write(w, repr(got).encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    try:
-        with os.fdopen(r) as f:
-            got = f.read()
-    finally:
-        os.waitpid(child, 0)
+
+    def as_nobody():
+        os.setuid(65534)
+        return main_spin._environ_names(me)
+
+    got = in_forked_child(as_nobody)
     assert got == "set()", got
 
 
@@ -475,20 +483,7 @@ def test_this_processs_pid_namespace_is_read_right():
 def test_the_parent_at_import_is_remembered_per_process():
     """A forked child (a rank started by a launcher that forks) remembers its own
     parent, not the parent of the process it was forked from."""
-    r, w = os.pipe()
-    child = os.fork()
-    if child == 0:
-        try:
-            os.write(w, str(main_spin._first_parent).encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    try:
-        with os.fdopen(r) as f:
-            got = f.read()
-    finally:
-        os.waitpid(child, 0)
-    assert got == str(os.getpid())
+    assert in_forked_child(lambda: main_spin._first_parent) == repr(os.getpid())
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/usr/bin/unshare"),
