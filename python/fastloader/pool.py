@@ -425,10 +425,14 @@ class WorkerPool:
         `deadline`, then terminate (and kill) what still runs, and release."""
         for proc in self.procs:
             proc.join(max(0.0, deadline - time.monotonic()))
-        for proc in self.procs:
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(1.0)
+        # those still busy: SIGTERM all, then SIGKILL whichever lives a second later
+        busy = [proc for proc in self.procs if proc.is_alive()]
+        for proc in busy:
+            proc.terminate()
+        give_up = time.monotonic() + 1.0
+        for proc in busy:
+            proc.join(max(0.0, give_up - time.monotonic()))
+        for proc in busy:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
@@ -553,20 +557,53 @@ _EXIT_GRACE_LIVE_S = 2.0
 def _shutdown_all():
     # Registered after multiprocessing's own atexit hook, so it runs before it:
     # our workers stop cleanly instead of being terminated with a warning.
-    with _LIVE_LOCK:
-        pools = list(_LIVE_POOLS)
     told = []
-    for pool in pools:   # every pool's workers first, so that they stop side by side
+    try:
+        with _LIVE_LOCK:
+            pools = list(_LIVE_POOLS)
+        for pool in pools:   # every pool's workers first, so that they stop side by side
+            try:
+                if pool._tell_workers_to_stop():
+                    told.append(pool)
+            except Exception:
+                pass
+        _wait_at_exit(told, _EXIT_GRACE_LIVE_S, _EXIT_GRACE_RETIRED_S)
+    except KeyboardInterrupt:
+        # Ctrl-C while exit waits for busy workers: the user wants out now. What
+        # still runs is ended at once (SIGTERM, SIGKILL a second later, as when a
+        # grace runs out), with Ctrl-C ignored for that second so that it is not
+        # cut short too, and the exit stays quiet (the interrupted callback's
+        # traceback is all Python would add: the process is exiting as asked).
+        previous = _ignore_sigint()
         try:
-            if pool._tell_workers_to_stop():
-                told.append(pool)
-        except Exception:
-            pass
-    deadline = time.monotonic() + _EXIT_GRACE_LIVE_S
+            _wait_at_exit(told, 0.0, 0.0)
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
+
+
+def _wait_at_exit(told, live_grace, retired_grace):
+    """Wait for the workers of the pools told to stop at exit (then terminate
+    them) within `live_grace` seconds, and for the retired pools' within
+    `retired_grace` more (reaper.py)."""
+    deadline = time.monotonic() + live_grace
     for pool in told:
+        with _LIVE_LOCK:
+            done = pool not in _LIVE_POOLS   # finished before a Ctrl-C
+        if done:
+            continue
         try:
             pool._wait_for_workers(deadline)
         except Exception:
             pass
     # pools retired earlier (epochs that ended): their workers were told to stop
-    reaper.drain(_EXIT_GRACE_RETIRED_S)
+    reaper.drain(retired_grace)
+
+
+def _ignore_sigint():
+    """Ignore SIGINT; the handler it had, or None where it cannot be changed (not
+    the main thread)."""
+    try:
+        return signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:
+        return None

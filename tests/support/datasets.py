@@ -602,7 +602,11 @@ def record_sigint_at_exit(directory, worker_id):
     from multiprocessing.util import Finalize
 
     def record():
-        with open(os.path.join(directory, str(worker_id)), "w") as f:
+        # written whole under a temporary name, then renamed: the test waits for
+        # the name, and must not read a file still empty
+        path = os.path.join(directory, str(worker_id))
+        with open(path + ".part", "w") as f:
             f.write(repr(signal.getsignal(signal.SIGINT)))
+        os.replace(path + ".part", path)
 
     Finalize(None, record, exitpriority=0)
