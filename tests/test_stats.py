@@ -4,6 +4,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 import fastloader
 from tests.support import datasets as ds
 from tests.support.helpers import deadline
@@ -94,3 +96,40 @@ def test_recv_times_its_sleep_on_the_wanted_channel_and_nothing_on_the_fast_path
     finally:
         del worker_batches
         main.close()
+
+
+@pytest.mark.parametrize("workers,persistent", [(0, False), (2, False), (2, True)])
+def test_epochs_are_numbered_per_loader(workers, persistent):
+    """stats() and state_dict() number the loader's epochs 1, 2, 3 whatever makes
+    them: without persistent workers each epoch has an iterator of its own, and
+    every one used to say epoch 1 (so did FASTLOADER_STATS's line)."""
+    dl = fastloader.DataLoader(ds.TensorLabelDataset(n=8), batch_size=2, num_workers=workers,
+                               persistent_workers=persistent)
+    numbers = []
+    for _ in range(3):
+        for _ in dl:
+            pass
+        numbers.append((dl.stats()["epoch"] if workers else None, dl.state_dict()["epoch"]))
+    expected = [(n if workers else None, n) for n in (1, 2, 3)]
+    assert numbers == expected
+
+
+def test_an_installed_torch_loader_numbers_its_epochs():
+    """A torch DataLoader given fastloader's workers by install(): its iterators
+    number its epochs too."""
+    import torch
+
+    fastloader.install()
+    try:
+        dl = torch.utils.data.DataLoader(ds.TensorLabelDataset(n=8), batch_size=2,
+                                         num_workers=2)
+        numbers = []
+        for _ in range(3):
+            it = iter(dl)
+            for _ in it:
+                pass
+            numbers.append(it.stats()["epoch"])
+            del it
+    finally:
+        fastloader.uninstall()
+    assert numbers == [1, 2, 3]

@@ -38,6 +38,7 @@ from torch.utils.data import DataLoader as _TorchDataLoader
 
 from . import torch_sites
 from .iterator import FastMultiProcessingIter
+from .session import session_of
 from .sharing import DEFAULT_STRATEGY, STRATEGIES, check_strategy
 from .warn_site import stacklevel_outside
 
@@ -62,8 +63,9 @@ def _fast_get_iterator(self):
         return (_original or _TORCH_GET_ITERATOR)(self)
     # from torch's lines, so that their warnings point where torch's do
     torch_sites.check_worker_number(self.check_worker_number_rationality)
+    # the loader's session (session.py) numbers its epochs across its iterators
     return torch_sites.new_multiprocessing_iter(FastMultiProcessingIter, self,
-                                                strategy=_strategy)
+                                                session=session_of(self), strategy=_strategy)
 
 
 def install(sharing_strategy: str = "file_descriptor") -> None:

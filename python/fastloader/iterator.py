@@ -79,11 +79,10 @@ def _task_bytes_estimate(loader) -> int:
 
 
 class FastMultiProcessingIter(_BaseDataLoaderIter):
-    _epoch = 0
+    _epoch = 0   # set from the loader's session when an epoch starts (_reset)
 
     def __init__(self, loader, session=None, strategy=DEFAULT_STRATEGY):
-        # the loader's state across epochs (session.py); a detached one for a
-        # torch DataLoader given this transport by install()
+        # the loader's state across epochs (session.py)
         session = session if session is not None else LoaderSession()
         resume_state = session.take_resume()
         # set once the resumed epoch's first indices are drawn (_reset)
@@ -120,7 +119,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         self._pool = None
         self._resume_state = resume_state
         if resume_state is not None and resume_state.get("epoch_done"):
-            self._epoch = resume_state["epoch"]   # the next one starts afresh
+            session.epoch = resume_state["epoch"]   # the next one starts afresh
             if before_base_seed is not None:
                 # The saving run's persistent workers drew no seed for this epoch:
                 # undo this new iterator's draw (only it: a draw the job made since
@@ -131,7 +130,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         elif resume_state is not None:
             # the workers must be seeded as in the interrupted run
             self._base_seed = resume_state["base_seed"]
-            self._epoch = resume_state["epoch"] - 1
+            session.epoch = resume_state["epoch"] - 1
         context = loader.multiprocessing_context
         if context is None:
             # the default context itself, as torch's iterator uses: its workers are
@@ -231,7 +230,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         ranges = sequential_batches(self._index_sampler)
         self._sends_ranges = ranges is not None
         self._sampler_iter = ranges or self._sampler_iter
-        self._epoch += 1
+        self._epoch = self._session.begin_epoch()
         self._counters = _stats.EpochCounters(self._epoch, self._num_workers, self._channels)
         self._stats_printed = False
         self._epoch_done = False

@@ -21,13 +21,16 @@ __all__ = ["LoaderSession", "session_of"]
 class LoaderSession:
     """What one loader keeps between its iterators."""
 
-    __slots__ = ("_iterator", "_pending_resume", "final_state", "final_stats")
+    __slots__ = ("_iterator", "_pending_resume", "final_state", "final_stats", "epoch")
 
     def __init__(self):
         self._iterator: Optional[weakref.ref] = None
         self._pending_resume: Optional[dict] = None
         self.final_state: Optional[dict] = None   # state_dict() of the last ended iterator
         self.final_stats: Optional[dict] = None   # stats() of the last ended epoch
+        # the number of the loader's latest epoch (1 for the first): counted here,
+        # not by an iterator, since without persistent workers each epoch has its own
+        self.epoch = 0
 
     # -- iterators ------------------------------------------------------------------
     def started(self, iterator) -> None:
@@ -43,6 +46,11 @@ class LoaderSession:
         self.final_state = state
         if stats is not None:
             self.final_stats = stats
+
+    def begin_epoch(self) -> int:
+        """An iterator starts the loader's next epoch: its number."""
+        self.epoch += 1
+        return self.epoch
 
     # -- resume ---------------------------------------------------------------------
     def resume_from(self, state: dict) -> None:

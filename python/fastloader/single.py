@@ -63,19 +63,20 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
             self._start_epoch()
 
     def _start_epoch(self):
-        self._epoch += 1
+        self._epoch = self._session.begin_epoch()
         self._epoch_done = False
         self._draws = 0
         state, self._resume_state = self._resume_state, None
         if state is not None and state.get("epoch_done"):
-            self._epoch = state["epoch"] + 1   # the one after the saved run's
+            # the one after the saved run's
+            self._epoch = self._session.epoch = state["epoch"] + 1
         before, self._before_base_seed = self._before_base_seed, None
         if state is not None and before is not None:
             # the saving run's persistent workers drew no seed for this epoch, and
             # torch's iterator here did: undo it (only it), for that run's order
             _resume.restore_rng(self._loader_generator, before)
         if state is not None and not state.get("epoch_done"):
-            self._epoch = state["epoch"]
+            self._epoch = self._session.epoch = state["epoch"]
             # without a generator and nothing drawn yet in the saved epoch, its
             # sampler draws its seed at the first batch, from the global RNG as the
             # saved run had it then (set below), not as the epoch found it

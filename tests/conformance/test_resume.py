@@ -1087,3 +1087,36 @@ def test_a_persistent_loaders_state_between_epochs_keeps_its_order_without_worke
     other.load_state_dict(state)
     (again,) = epochs(other, 1)
     assert [b["i"].tolist() for b in again] == [b["i"].tolist() for b in e2]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("k", [2, "end"])
+def test_a_resumed_loader_numbers_its_epochs_on_from_the_state(workers, k):
+    """A state saved in (k batches) or at the end of (k="end") a loader's third
+    epoch: the fresh loader's epoch is that third one, or the fourth, and the next
+    one after it follows (not epoch 1 again), in state_dict() and stats()."""
+    ds = rd.RandomAugmented(24)
+    kw = dict(batch_size=4, shuffle=True, num_workers=workers)
+    first = make(ds, **kw)
+    for _ in range(2):
+        for _ in first:
+            pass
+    it = iter(first)
+    for _ in range(6 if k == "end" else k):
+        next(it)
+    if k == "end":
+        with pytest.raises(StopIteration):
+            next(it)
+    state = first.state_dict()
+    del it, first
+    assert state["epoch"] == 3
+    second = make(ds, seed=999, **kw)
+    second.load_state_dict(state)
+    numbers = []
+    for _ in range(2):
+        for _ in second:
+            pass
+        numbers.append(second.state_dict()["epoch"])
+        if workers:
+            assert second.stats()["epoch"] == numbers[-1]
+    assert numbers == ([4, 5] if k == "end" else [3, 4])
