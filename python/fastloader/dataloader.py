@@ -147,17 +147,20 @@ class DataLoader(_TorchDataLoader[T_co]):
                 "augmentations differ from an uninterrupted run's", FastLoaderWarning,
                 stacklevel=2)
             state = _resume.for_other_worker_count(state, self.num_workers)
+        if getattr(self, "_iterator", None) is not None:
+            # live persistent workers were seeded for another run (a fresh one's
+            # too): start afresh
+            self._iterator._shutdown_workers()
+            object.__setattr__(self, "_iterator", None)
+        session = session_of(self)
         if state.get("fresh"):
-            session_of(self).resume_from(None)   # the last state loaded wins
+            session.resume_from(None)   # the last state loaded wins
+            session.epoch = 0           # that run's next epoch is its first
             return
         if state.get("epoch_done"):
             # the next epoch starts as it would have: same RNG, same base seed
             _resume.restore_rng(self.generator, state["rng_now"])
-        if getattr(self, "_iterator", None) is not None:
-            # live persistent workers were seeded for another run: start afresh
-            self._iterator._shutdown_workers()
-            object.__setattr__(self, "_iterator", None)
-        session_of(self).resume_from(state)
+        session.resume_from(state)
 
     def stats(self, memory=True):
         """Statistics of this loader's current (or last) epoch with workers: batches

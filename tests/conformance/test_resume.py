@@ -1120,3 +1120,21 @@ def test_a_resumed_loader_numbers_its_epochs_on_from_the_state(workers, k):
         if workers:
             assert second.stats()["epoch"] == numbers[-1]
     assert numbers == ([4, 5] if k == "end" else [3, 4])
+
+
+def test_loading_a_fresh_state_drops_live_persistent_workers():
+    """Persistent workers alive from this loader's run are not the fresh state's
+    run's: as for any other state, the next epoch starts new workers (they were
+    kept, with their dataset and RNGs as this run left them), and it is epoch 1."""
+    ds = rd.RandomAugmented(16)
+    kw = dict(batch_size=4, persistent_workers=True)
+    fresh = make(ds, **kw).state_dict()
+    loader = make(ds, **kw)
+    epochs(loader, 2)
+    old = set(loader._iterator.worker_pids)
+    loader.load_state_dict(fresh)
+    assert loader._iterator is None
+    it = iter(loader)
+    assert not old & set(it.worker_pids)
+    assert len([clone_batch(b) for b in it]) == 4
+    assert loader.stats()["epoch"] == loader.state_dict()["epoch"] == 1
