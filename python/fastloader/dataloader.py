@@ -9,6 +9,7 @@ from torch.utils.data import DataLoader as _TorchDataLoader
 
 from . import forkserver
 from . import resume as _resume
+from . import sampler_generators
 from . import torch_sites
 from .install import FastLoaderWarning, warn_if_rebuilt_by_accelerate
 from .iterator import FastMultiProcessingIter
@@ -122,6 +123,8 @@ class DataLoader(_TorchDataLoader[T_co]):
         else:
             state = {"version": _resume.VERSION, "fresh": True}
         state["rng_now"] = _resume.capture_rng(self.generator)
+        state["sampler_generators_now"] = sampler_generators.capture(self._index_sampler,
+                                                                     self.generator)
         # whether this loader's next epoch draws no base seed (see the iterators)
         state["persistent"] = bool(self.persistent_workers and self.num_workers > 0)
         state["fingerprint"] = _resume.fingerprint(self)
@@ -160,6 +163,8 @@ class DataLoader(_TorchDataLoader[T_co]):
         if state.get("epoch_done"):
             # the next epoch starts as it would have: same RNG, same base seed
             _resume.restore_rng(self.generator, state["rng_now"])
+            sampler_generators.restore(self._index_sampler, self.generator,
+                                       state.get("sampler_generators_now"))
         session.resume_from(state)
 
     def stats(self, memory=True):

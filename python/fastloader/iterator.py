@@ -22,6 +22,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter, _sharding_worker_in
 
 from . import _core
 from . import resume as _resume
+from . import sampler_generators
 from . import stats as _stats
 from . import torch_sites
 from .distributed import rank_info
@@ -281,9 +282,12 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             # the epoch's starting RNG, for a later state_dict(): the fast-forward
             # draws from the generator (a resumed resume shuffled otherwise)
             self._sampler_rng = state["sampler_rng"].clone()
+            self._sampler_gens = [s.clone() for s in state.get("sampler_generators", ())]
             self._fast_forward(state)
         else:
             self._sampler_rng = _resume.capture_rng(self._loader_generator)
+            self._sampler_gens = sampler_generators.capture(self._index_sampler,
+                                                            self._loader_generator)
         for _ in range(self._prefetch_factor * self._num_workers):
             self._try_put_index()
         if self._global_rng_kept is not None:   # the sampler has drawn its seed by now
@@ -294,6 +298,8 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         """Skip the batches the interrupted run already yielded, and bring every
         worker's RNG (and iterable position) to where it was."""
         _resume.restore_rng(self._loader_generator, state["sampler_rng"])
+        sampler_generators.restore(self._index_sampler, self._loader_generator,
+                                   state.get("sampler_generators"))
         target = _resume.next_seq(state)
         draw = (lambda: as_list(self._next_index())) if self._sends_ranges else self._next_index
         index_of = _resume.indices_to_replay(state, draw,
@@ -328,6 +334,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
                 self._tracker.ahead_of(self._rcvd_idx), sent=self._send_idx),
             "base_seed": self._base_seed,
             "sampler_rng": self._sampler_rng,
+            "sampler_generators": self._sampler_gens,
             "next_seq": self._rcvd_idx,
             "next_worker": nxt,
             "yielded": self._num_yielded,

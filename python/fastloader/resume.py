@@ -26,6 +26,7 @@ import torch
 from torch.utils.data import IterableDataset, _DatasetKind
 
 from . import _core
+from . import sampler_generators
 from .protocol import Replay, Restore
 
 VERSION = 1
@@ -334,7 +335,9 @@ def as_epoch_end(loader, state: dict) -> dict:
         return state
     generator = loader.generator
     before = capture_rng(generator)
+    own_before = sampler_generators.capture(sampler, generator)
     restore_rng(generator, state["sampler_rng"])
+    own = sampler_generators.restore(sampler, generator, state.get("sampler_generators"))
     drawn = 0
     try:
         for _ in sampler:
@@ -342,12 +345,15 @@ def as_epoch_end(loader, state: dict) -> dict:
             if drawn > length:
                 break
         at_end = capture_rng(generator)
+        own_at_end = sampler_generators.capture(sampler, generator) if own else []
     finally:
         restore_rng(generator, before)
+        sampler_generators.restore(sampler, generator, own_before)
     if drawn > length:
         return state
     return dict(state, epoch_done=True,
-                rng_now=at_end if generator is not None else state["rng_now"])
+                rng_now=at_end if generator is not None else state["rng_now"],
+                sampler_generators_now=own_at_end)
 
 
 def next_seq(state: dict) -> int:

@@ -10,6 +10,7 @@ from torch.utils.data import IterableDataset
 from torch.utils.data.dataloader import _DatasetKind, _SingleProcessDataLoaderIter
 
 from . import resume as _resume
+from . import sampler_generators
 from .session import LoaderSession
 
 
@@ -82,6 +83,9 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
             # saved run had it then (set below), not as the epoch found it
             if _resume.next_seq(state) or self._loader_generator is not None:
                 _resume.restore_rng(self._loader_generator, state["sampler_rng"])
+            self._sampler_gens = state.get("sampler_generators", [])
+            sampler_generators.restore(self._index_sampler, self._loader_generator,
+                                       self._sampler_gens)
             self._sampler_rng = state["sampler_rng"]
             # skip the batches before the next one due without fetching them (an
             # iterable's are replayed, see _put_iterable_back), and (from a loader
@@ -106,12 +110,16 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
             self._num_yielded = state["yielded"]
         else:
             self._sampler_rng = _resume.capture_rng(self._loader_generator)
+            self._sampler_gens = sampler_generators.capture(self._index_sampler,
+                                                            self._loader_generator)
 
     def _next_index(self):
         if not self._draws:
             # where the sampler starts drawing: a generator-less one draws its seed
             # from the global RNG now, not at iter() (the loop may draw between)
             self._sampler_rng = _resume.capture_rng(self._loader_generator)
+            self._sampler_gens = sampler_generators.capture(self._index_sampler,
+                                                            self._loader_generator)
         index = super()._next_index()
         self._draws += 1
         return index
@@ -154,7 +162,8 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
                  "yielded_all": _resume.yielded_every_batch(
                      self._dataset_kind, self._index_sampler, self._draws, self._ahead),
                  "base_seed": self._base_seed,
-                 "sampler_rng": self._sampler_rng, "yielded": self._num_yielded,
+                 "sampler_rng": self._sampler_rng, "sampler_generators": self._sampler_gens,
+                 "yielded": self._num_yielded,
                  "next_seq": self._draws, "workers": []}
         if self._ahead:   # still skipping batches delivered ahead
             state["delivered_ahead"] = sorted(self._ahead)

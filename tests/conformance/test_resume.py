@@ -1138,3 +1138,45 @@ def test_loading_a_fresh_state_drops_live_persistent_workers():
     assert not old & set(it.worker_pids)
     assert len([clone_batch(b) for b in it]) == 4
     assert loader.stats()["epoch"] == loader.state_dict()["epoch"] == 1
+
+
+def _own_generator_loader(ds, workers, **kw):
+    """A sampler that shuffles with a generator of its own, made and seeded afresh
+    as a restarted job would (not the loader's generator)."""
+    sampler = torch.utils.data.RandomSampler(ds, generator=torch.Generator().manual_seed(3))
+    return make(ds, batch_size=4, num_workers=workers, sampler=sampler, **kw)
+
+
+@pytest.mark.parametrize("workers,persistent", [(0, False), (2, False), (2, True)])
+@pytest.mark.parametrize("k", [0, 2, "all yielded", "end"])
+def test_a_sampler_with_its_own_generator_resumes_its_shuffle(workers, persistent, k):
+    """RandomSampler(ds, generator=g) moves g on by one permutation per epoch. A
+    state saved in the third epoch (k batches; every batch yielded but the loop
+    never asked for the end; or at its end) resumes that epoch's order, or the
+    fourth epoch's, in a loader whose g is freshly seeded: the state carries g.
+    It did not, and the resumed third epoch shuffled as the first, so some samples
+    came twice and others never."""
+    ds = rd.RandomAugmented(24)
+    kw = dict(persistent_workers=True) if persistent else {}
+    full = [[b["i"].tolist() for b in epoch]
+            for epoch in epochs(_own_generator_loader(ds, workers, **kw), 5)]
+    first = _own_generator_loader(ds, workers, **kw)
+    epochs(first, 2)
+    it = iter(first)
+    taken = {"end": 6, "all yielded": 6}.get(k, k)
+    head = [next(it)["i"].tolist() for _ in range(taken)]
+    if k == "end":
+        with pytest.raises(StopIteration):
+            next(it)
+    state = first.state_dict()
+    del it, first
+    assert head == full[2][:taken]
+    second = _own_generator_loader(ds, workers, **kw)
+    second.load_state_dict(state)
+    rest = [b["i"].tolist() for b in second]
+    after = [b["i"].tolist() for b in second]
+    if k in ("end", "all yielded"):
+        assert (rest, after) == (full[3], full[4])
+    else:
+        assert rest == full[2][taken:]
+        assert after == full[3]
