@@ -84,8 +84,11 @@ class DataLoader(_TorchDataLoader[T_co]):
     def _get_iterator(self):
         session = session_of(self)
         pending = session.pending_resume()
-        # where the loaded state put the generator (the attempt draws from it)
+        # where the loaded state put the generators (the attempt draws from them)
         rng = _resume.capture_rng(self.generator) if pending is not None else None
+        own = (sampler_generators.capture(self._index_sampler, self.generator)
+               if pending is not None else None)
+        epoch = session.epoch
         try:
             if self.num_workers == 0:
                 it = SingleProcessIter(self, session)
@@ -95,10 +98,13 @@ class DataLoader(_TorchDataLoader[T_co]):
                 it = torch_sites.new_multiprocessing_iter(FastMultiProcessingIter, self, session)
         except BaseException:
             # the epoch did not start (no fds or processes left, Ctrl-C): a state
-            # loaded for it is still the next iter()'s, not lost
+            # loaded for it is still the next iter()'s, not lost, and its number
+            # is the next epoch's
+            session.epoch = epoch
             if pending is not None and session.pending_resume() is None:
                 session.resume_from(pending)
                 _resume.restore_rng(self.generator, rng)
+                sampler_generators.restore(self._index_sampler, self.generator, own)
             raise
         session.started(it)
         return it
@@ -157,8 +163,9 @@ class DataLoader(_TorchDataLoader[T_co]):
             object.__setattr__(self, "_iterator", None)
         session = session_of(self)
         if state.get("fresh"):
-            session.resume_from(None)   # the last state loaded wins
-            session.epoch = 0           # that run's next epoch is its first
+            # the last state loaded wins; state_dict() and stats() now say what a
+            # fresh loader's say, and the next epoch is the first
+            session.start_afresh()
             return
         if state.get("epoch_done"):
             # the next epoch starts as it would have: same RNG, same base seed

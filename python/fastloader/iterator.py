@@ -210,12 +210,15 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             # next epoch starts new workers, as fastloader.DataLoader.__iter__
             # does by dropping it (torch's iterator would fail on its dead ones,
             # and this one's closed channels raised ValueError)
+            epoch = self._session.epoch
             try:
                 self.__init__(loader, self._session, self.sharing_strategy)
             except BaseException:
                 # no workers (fds, processes or memory ran out), or they started and
                 # the first tasks failed (a sampler that raised): none left running,
-                # and still stopped, so that the next epoch tries again
+                # and still stopped, so that the next epoch tries again (with the
+                # number this one would have had)
+                self._session.epoch = epoch
                 if self.__dict__.get("_pool") is not None:
                     self._shutdown_workers(grace=_FAILURE_GRACE_S)
                 self._shutdown = True

@@ -52,6 +52,14 @@ class LoaderSession:
         self.epoch += 1
         return self.epoch
 
+    def start_afresh(self) -> None:
+        """A fresh state was loaded: as a loader that never iterated (its live
+        iterator, if any, was dropped by the loader)."""
+        self._iterator = None
+        self._pending_resume = None
+        self.final_state = self.final_stats = None
+        self.epoch = 0
+
     # -- resume ---------------------------------------------------------------------
     def resume_from(self, state: dict) -> None:
         """The next iterator continues from `state` (load_state_dict)."""

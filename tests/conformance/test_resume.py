@@ -1134,6 +1134,8 @@ def test_loading_a_fresh_state_drops_live_persistent_workers():
     old = set(loader._iterator.worker_pids)
     loader.load_state_dict(fresh)
     assert loader._iterator is None
+    # as a fresh loader: a checkpoint now does not carry on the old run
+    assert loader.state_dict().get("fresh") and loader.stats() is None
     it = iter(loader)
     assert not old & set(it.worker_pids)
     assert len([clone_batch(b) for b in it]) == 4
@@ -1180,3 +1182,40 @@ def test_a_sampler_with_its_own_generator_resumes_its_shuffle(workers, persisten
     else:
         assert rest == full[2][taken:]
         assert after == full[3]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_epoch_that_could_not_start_keeps_the_sampler_generator_and_epoch_number(
+        workers, monkeypatch):
+    """iter() after loading the state of epoch 2's end fails (Ctrl-C) once the
+    sampler has drawn its first batch: the retry shuffles as the uninterrupted
+    epoch 3 (the sampler's own generator is put back as the loader's is), and is
+    numbered 3 (the failed start had used the number up)."""
+    from fastloader import iterator, single
+
+    ds = rd.RandomAugmented(24)
+    full = [[b["i"].tolist() for b in epoch]
+            for epoch in epochs(_own_generator_loader(ds, workers), 3)]
+    first = _own_generator_loader(ds, workers)
+    epochs(first, 2)
+    state = first.state_dict()
+    second = _own_generator_loader(ds, workers)
+    second.load_state_dict(state)
+    cls, name = (iterator.FastMultiProcessingIter, "_try_put_index") if workers else \
+        (single.SingleProcessIter, "_start_epoch")
+    real = getattr(cls, name)
+
+    def draw_then_interrupt(self, *args):
+        real(self, *args)
+        if workers:
+            assert self._send_idx == 1   # the sampler drew the first batch
+        else:
+            self._next_index()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cls, name, draw_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        iter(second)
+    monkeypatch.setattr(cls, name, real)
+    assert [b["i"].tolist() for b in second] == full[2]
+    assert second.state_dict()["epoch"] == 3

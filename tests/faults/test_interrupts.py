@@ -181,8 +181,10 @@ def test_a_worker_ignores_ctrl_c_while_it_exits(ctx, tmp_path):
 
 
 _EXIT_CTRL_C_SCRIPT = """
-    import signal, sys, time
+    import atexit, signal, sys, time
     signal.signal(signal.SIGINT, signal.default_int_handler)   # as in _CTRL_C_SCRIPT
+    # registered first, so run last: after fastloader's exit hook
+    atexit.register(lambda: print("done", repr(time.monotonic()), flush=True))
     from fastloader import DataLoader
     from tests.support.reliability_datasets import SleepAtIndexDataset
 
@@ -210,13 +212,20 @@ def test_ctrl_c_while_exit_waits_for_a_busy_worker(held_by, subprocess_env):
         pids = [int(p) for p in _read_line(proc, "pids ").split()]
         _read_line(proc, "exiting")
         time.sleep(0.5)   # the exit hook is waiting for the busy worker by now
+        sent = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)
+        done = float(_read_line(proc, "done ", seconds=30))
         with deadline(30, "the script's exit after Ctrl-C"):
             err = proc.stderr.read()
             proc.wait(timeout=25)
         script_pid = proc.pid
     assert proc.returncode == 0, (proc.returncode, err)
     assert err == "", f"output on stderr after Ctrl-C at exit:\n{err}"
+    # the exit hook was still waiting when Ctrl-C came (else this tested nothing)
+    assert done > sent, "the exit hook had finished before the Ctrl-C: the box was too slow"
+    if held_by == "retired":
+        # about 4 s of the reaper's 5 s were left (plus its escalation): not waited out
+        assert done - sent < 2.5, f"exit took {done - sent:.2f} s after Ctrl-C"
     # the busy worker sleeps 60 s: it was ended, not waited for
     assert wait_until(lambda: all(is_gone(p) for p in pids), LOOSE_BOUND_S), \
         [p for p in pids if not is_gone(p)]
