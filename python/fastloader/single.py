@@ -109,17 +109,20 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
                 self._next_index = self._next_index_skipping
             self._num_yielded = state["yielded"]
         else:
-            self._sampler_rng = _resume.capture_rng(self._loader_generator)
-            self._sampler_gens = sampler_generators.capture(self._index_sampler,
-                                                            self._loader_generator)
+            self._capture_sampler_start()
+
+    def _capture_sampler_start(self):
+        """The RNGs the sampler draws from (the loader's generator or the global
+        RNG, and its own generators), where its epoch starts, for state_dict()."""
+        self._sampler_rng = _resume.capture_rng(self._loader_generator)
+        self._sampler_gens = sampler_generators.capture(self._index_sampler,
+                                                        self._loader_generator)
 
     def _next_index(self):
         if not self._draws:
             # where the sampler starts drawing: a generator-less one draws its seed
             # from the global RNG now, not at iter() (the loop may draw between)
-            self._sampler_rng = _resume.capture_rng(self._loader_generator)
-            self._sampler_gens = sampler_generators.capture(self._index_sampler,
-                                                            self._loader_generator)
+            self._capture_sampler_start()
         index = super()._next_index()
         self._draws += 1
         return index
