@@ -81,6 +81,9 @@ def _task_bytes_estimate(loader) -> int:
 
 class FastMultiProcessingIter(_BaseDataLoaderIter):
     _epoch = 0   # set from the loader's session when an epoch starts (_reset)
+    # the global RNG where the epoch's sampler started, if it draws from it while
+    # the loader has a generator (sampler_generators.py)
+    _global_sampler_rng = None
 
     def __init__(self, loader, session=None, strategy=DEFAULT_STRATEGY):
         # the loader's state across epochs (session.py)
@@ -286,13 +289,19 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             # draws from the generator (a resumed resume shuffled otherwise)
             self._sampler_rng = state["sampler_rng"].clone()
             self._sampler_gens = [s.clone() for s in state.get("sampler_generators", ())]
+            self._global_sampler_rng = state.get("global_rng")
             self._fast_forward(state)
+            global_start = None
         else:
             self._sampler_rng = _resume.capture_rng(self._loader_generator)
             self._sampler_gens = sampler_generators.capture(self._index_sampler,
                                                             self._loader_generator)
+            global_start = sampler_generators.global_rng_start(self._loader_generator)
         for _ in range(self._prefetch_factor * self._num_workers):
             self._try_put_index()
+        if global_start is not None:   # the sampler has drawn its first batches
+            self._global_sampler_rng = sampler_generators.global_rng_drawn(
+                global_start, self._index_sampler, drawn=self._send_idx > 0)
         if self._global_rng_kept is not None:   # the sampler has drawn its seed by now
             kept, self._global_rng_kept = self._global_rng_kept, None
             _resume.restore_rng(None, kept)
@@ -301,6 +310,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         """Skip the batches the interrupted run already yielded, and bring every
         worker's RNG (and iterable position) to where it was."""
         _resume.restore_rng(self._loader_generator, state["sampler_rng"])
+        sampler_generators.restore_global(self._loader_generator, state)
         sampler_generators.restore(self._index_sampler, self._loader_generator,
                                    state.get("sampler_generators"))
         target = _resume.next_seq(state)
@@ -338,6 +348,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             "base_seed": self._base_seed,
             "sampler_rng": self._sampler_rng,
             "sampler_generators": self._sampler_gens,
+            "global_rng": self._global_sampler_rng,
             "next_seq": self._rcvd_idx,
             "next_worker": nxt,
             "yielded": self._num_yielded,

@@ -191,11 +191,16 @@ def global_rng_after_resume(generator, state):
     the resumed one makes them again from the epoch's starting RNG (to shuffle the
     same way), which left the global RNG rewound there, so the loop's draws after
     a resume repeated the epoch's first ones (and the next epoch shuffled as that
-    one). None where the loader has a generator of its own, or for no state or a
-    state outside an epoch (which sets the generator itself, see load_state_dict)."""
-    if generator is not None or state is None or state.get("fresh") or state.get("epoch_done"):
+    one). With a generator of the loader's, the same holds for a sampler that drew
+    from the global RNG all the same (sampler_generators: `global_rng`). None
+    where neither draws from it, or for no state or a state outside an epoch (which
+    sets the generator itself, see load_state_dict)."""
+    if state is None or state.get("fresh") or state.get("epoch_done"):
         return None
-    return state["rng_now"].clone()
+    if generator is None:
+        return state["rng_now"].clone()
+    now = state.get("global_rng_now") if state.get("global_rng") is not None else None
+    return None if now is None else now.clone()
 
 
 def rng_before_base_seed(generator, state, persistent=None):
@@ -335,8 +340,10 @@ def as_epoch_end(loader, state: dict) -> dict:
         return state
     generator = loader.generator
     before = capture_rng(generator)
+    global_before = torch.get_rng_state() if generator is not None else None
     own_before = sampler_generators.capture(sampler, generator)
     restore_rng(generator, state["sampler_rng"])
+    sampler_generators.restore_global(generator, state)
     own = sampler_generators.restore(sampler, generator, state.get("sampler_generators"))
     drawn = 0
     try:
@@ -348,6 +355,8 @@ def as_epoch_end(loader, state: dict) -> dict:
         own_at_end = sampler_generators.capture(sampler, generator) if own else []
     finally:
         restore_rng(generator, before)
+        if global_before is not None:   # a sampler that draws from it moved it
+            torch.set_rng_state(global_before)
         sampler_generators.restore(sampler, generator, own_before)
     if drawn > length:
         return state

@@ -12,12 +12,21 @@ Found where torch's samplers keep one: ``.generator`` of the index sampler and
 of the sampler a batch sampler wraps (RandomSampler, SubsetRandomSampler,
 WeightedRandomSampler). A state saved with none, or with another number of them
 (another sampler), restores none.
+
+A loader given a ``generator`` hands it only to the samplers it makes itself: a
+sampler the user made without one (``DataLoader(ds, sampler=RandomSampler(ds),
+generator=g)``, or a custom sampler calling ``torch.randperm(n)``) draws from the
+global RNG, which the training loop moves too. Where the sampler drew from it, the
+global RNG at the epoch's start is saved as ``global_rng`` (and at save time as
+``global_rng_now``, see DataLoader.state_dict); without a loader generator the
+global RNG is ``sampler_rng`` itself.
 """
 from __future__ import annotations
 
 import torch
 
-__all__ = ["capture", "own_generators", "restore"]
+__all__ = ["capture", "global_rng_drawn", "global_rng_start", "own_generators", "restore",
+           "restore_global"]
 
 
 def _generator(obj):
@@ -57,3 +66,49 @@ def restore(index_sampler, loader_generator, states) -> bool:
     for g, state in zip(generators, states):
         g.set_state(state)
     return True
+
+
+def global_rng_start(loader_generator):
+    """The global RNG now, where the sampler is about to start drawing, while the
+    loader has a generator of its own; None without one (sampler_rng is it)."""
+    return torch.get_rng_state() if loader_generator is not None else None
+
+
+def _torch_sampler_without_generator(index_sampler) -> bool:
+    """Whether the sampler, or the one a batch sampler wraps, is one of torch's
+    shuffling samplers (a `generator` attribute) given none: they draw from the
+    global RNG."""
+    try:
+        inner = getattr(index_sampler, "sampler", None)
+    except Exception:
+        inner = None
+    for obj in (index_sampler, inner):
+        try:
+            if obj is not None and hasattr(obj, "generator") and obj.generator is None:
+                return True
+        except Exception:   # a property that raises: torch never reads it
+            continue
+    return False
+
+
+def global_rng_drawn(start, index_sampler, drawn=True):
+    """`start` (from global_rng_start) where the sampler draws from the global RNG,
+    else None. Once it `drawn` its first batch: whether the global RNG moved since
+    `start` (nothing else in the loader draws from it there), which finds a custom
+    sampler's draws too. Before: whether it is one of torch's shuffling samplers
+    without a generator."""
+    if start is None:
+        return None
+    if drawn:
+        return None if torch.equal(start, torch.get_rng_state()) else start
+    return start if _torch_sampler_without_generator(index_sampler) else None
+
+
+def restore_global(loader_generator, state, key="global_rng") -> None:
+    """Where the state says the sampler drew from the global RNG: that RNG where
+    the saved epoch's sampler started (before a resumed epoch draws again), or
+    with `key` "global_rng_now" where it was at save time (an epoch-end state:
+    the next epoch draws from it)."""
+    rng = state.get(key) if state.get("global_rng") is not None else None
+    if loader_generator is not None and rng is not None:
+        torch.set_rng_state(rng)

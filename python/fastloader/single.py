@@ -23,6 +23,11 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
     # a stateful iterable's position loaded for a resume, until its first batch
     # runs its __iter__'s body (until then the dataset may not tell it)
     _loaded_position = None
+    # the global RNG where the epoch's sampler started, while the loader has a
+    # generator: _global_start until its first draw, then (kept) if the sampler
+    # drew from it (sampler_generators.py)
+    _global_start = None
+    _global_sampler_rng = None
 
     def __init__(self, loader, session=None):
         # the loader's state across epochs (session.py); a detached one otherwise
@@ -83,6 +88,9 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
             # saved run had it then (set below), not as the epoch found it
             if _resume.next_seq(state) or self._loader_generator is not None:
                 _resume.restore_rng(self._loader_generator, state["sampler_rng"])
+            sampler_generators.restore_global(self._loader_generator, state)
+            self._global_start = None
+            self._global_sampler_rng = state.get("global_rng")
             self._sampler_gens = state.get("sampler_generators", [])
             sampler_generators.restore(self._index_sampler, self._loader_generator,
                                        self._sampler_gens)
@@ -117,13 +125,22 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         self._sampler_rng = _resume.capture_rng(self._loader_generator)
         self._sampler_gens = sampler_generators.capture(self._index_sampler,
                                                         self._loader_generator)
+        self._global_start = sampler_generators.global_rng_start(self._loader_generator)
+        self._global_sampler_rng = None
 
     def _next_index(self):
         if not self._draws:
             # where the sampler starts drawing: a generator-less one draws its seed
             # from the global RNG now, not at iter() (the loop may draw between)
             self._capture_sampler_start()
-        index = super()._next_index()
+            try:
+                index = super()._next_index()
+            finally:
+                start, self._global_start = self._global_start, None
+                self._global_sampler_rng = sampler_generators.global_rng_drawn(
+                    start, self._index_sampler)
+        else:
+            index = super()._next_index()
         self._draws += 1
         return index
 
@@ -166,6 +183,10 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
                      self._dataset_kind, self._index_sampler, self._draws, self._ahead),
                  "base_seed": self._base_seed,
                  "sampler_rng": self._sampler_rng, "sampler_generators": self._sampler_gens,
+                 # before the first draw, whether the sampler is one that will
+                 "global_rng": (self._global_sampler_rng if self._global_start is None
+                                else sampler_generators.global_rng_drawn(
+                                    self._global_start, self._index_sampler, drawn=False)),
                  "yielded": self._num_yielded,
                  "next_seq": self._draws, "workers": []}
         if self._ahead:   # still skipping batches delivered ahead

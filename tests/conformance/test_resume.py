@@ -1184,6 +1184,97 @@ def test_a_sampler_with_its_own_generator_resumes_its_shuffle(workers, persisten
         assert after == full[3]
 
 
+class _GlobalPermutation(torch.utils.data.Sampler):
+    """A custom sampler that shuffles with torch.randperm and no generator: it
+    draws from the global RNG, whatever the loader was given."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        return iter(torch.randperm(self.n).tolist())
+
+
+def _global_sampler_loader(ds, workers, sampler, **kw):
+    """A loader with a generator of its own over a sampler that draws from the
+    global RNG; made after torch.manual_seed(0), as a restarted job seeds."""
+    torch.manual_seed(0)
+    made = {"random": lambda: torch.utils.data.RandomSampler(ds),
+            "custom": lambda: _GlobalPermutation(len(ds))}[sampler]()
+    return make(ds, batch_size=4, num_workers=workers, sampler=made, **kw)
+
+
+@pytest.mark.parametrize("sampler", ["random", "custom"])
+@pytest.mark.parametrize("workers,persistent", [(0, False), (2, False), (2, True)])
+@pytest.mark.parametrize("k", [0, 2, "all yielded", "end"])
+def test_a_sampler_that_draws_from_the_global_rng_resumes_beside_a_loader_generator(
+        sampler, workers, persistent, k):
+    """DataLoader(ds, sampler=RandomSampler(ds), generator=g): the loader's g is
+    not the sampler's, which seeds each epoch from the global RNG (so does a
+    custom sampler calling torch.randperm). A state saved in the third epoch
+    resumes that epoch's order and then the fourth's, and leaves the global RNG
+    where the uninterrupted run has it, in a job that seeded afresh. The state
+    held only g: the resumed epoch shuffled from the restarted job's global RNG,
+    so some samples came twice and others never."""
+    if (sampler, workers, k) == ("custom", 0, 0):
+        pytest.skip("without workers a custom sampler draws at the first batch: "
+                    "saved before it, the state cannot tell what it draws from")
+    ds = rd.RandomAugmented(24)
+    kw = dict(persistent_workers=True) if persistent else {}
+    loader = _global_sampler_loader(ds, workers, sampler, **kw)
+    full = [[b["i"].tolist() for b in epoch] for epoch in epochs(loader, 3)]
+    full.append([b["i"].tolist() for b in loader])
+    draw_after_epoch_4 = torch.rand(3)
+    full.append([b["i"].tolist() for b in loader])
+    del loader
+    first = _global_sampler_loader(ds, workers, sampler, **kw)
+    epochs(first, 2)
+    it = iter(first)
+    taken = {"end": 6, "all yielded": 6}.get(k, k)
+    head = [next(it)["i"].tolist() for _ in range(taken)]
+    if k == "end":
+        with pytest.raises(StopIteration):
+            next(it)
+    state = first.state_dict()
+    del it, first
+    assert head == full[2][:taken]
+    assert state["global_rng"] is not None
+    second = _global_sampler_loader(ds, workers, sampler, **kw)
+    second.load_state_dict(state)
+    rest = [b["i"].tolist() for b in second]
+    if k in ("end", "all yielded"):
+        assert rest == full[3]
+    else:
+        assert rest == full[2][taken:]
+        assert [b["i"].tolist() for b in second] == full[3]
+    assert torch.equal(torch.rand(3), draw_after_epoch_4)
+    assert [b["i"].tolist() for b in second] == full[4]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_sampler_with_the_loaders_generator_leaves_the_global_rng_alone(workers):
+    """shuffle=True hands the loader's generator to the sampler: nothing of the
+    global RNG goes into the state, and a resume does not touch the restarted
+    job's global RNG."""
+    ds = list(range(24))   # draws nothing, in the main process either
+    first = make(ds, batch_size=4, num_workers=workers, shuffle=True)
+    it = iter(first)
+    next(it)
+    state = first.state_dict()
+    del it, first
+    assert state["global_rng"] is None and "global_rng_now" not in state
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    second = make(ds, batch_size=4, num_workers=workers, shuffle=True)
+    second.load_state_dict(state)
+    assert len([clone_batch(b) for b in second]) == 5
+    assert torch.equal(torch.rand(3), expected)
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_an_epoch_that_could_not_start_keeps_the_sampler_generator_and_epoch_number(
         workers, monkeypatch):
