@@ -1310,3 +1310,40 @@ def test_an_epoch_that_could_not_start_keeps_the_sampler_generator_and_epoch_num
     monkeypatch.setattr(cls, name, real)
     assert [b["i"].tolist() for b in second] == full[2]
     assert second.state_dict()["epoch"] == 3
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_failed_resume_of_a_global_rng_sampler_leaves_the_global_rng_as_it_was(
+        workers, monkeypatch):
+    """A mid-epoch state of a sampler that draws from the global RNG beside a loader
+    generator: the resume sets the global RNG back to the epoch's start for the
+    sampler. If iter() then fails (Ctrl-C) once the sampler drew, the job's global
+    RNG is as it was before iter(), and the retry still resumes the epoch."""
+    from fastloader import iterator, single
+
+    ds = rd.RandomAugmented(24)
+    full = [[b["i"].tolist() for b in epoch]
+            for epoch in epochs(_global_sampler_loader(ds, workers, "random"), 2)]
+    first = _global_sampler_loader(ds, workers, "random")
+    epochs(first, 1)
+    it = iter(first)
+    head = [next(it)["i"].tolist() for _ in range(2)]
+    state = first.state_dict()
+    del it, first
+    second = _global_sampler_loader(ds, workers, "random")
+    second.load_state_dict(state)
+    cls, name = (iterator.FastMultiProcessingIter, "_try_put_index") if workers else \
+        (single.SingleProcessIter, "_start_epoch")
+    real = getattr(cls, name)
+
+    def draw_then_interrupt(self, *args):
+        real(self, *args)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cls, name, draw_then_interrupt)
+    before = torch.get_rng_state()
+    with pytest.raises(KeyboardInterrupt):
+        iter(second)
+    assert torch.equal(torch.get_rng_state(), before)
+    monkeypatch.setattr(cls, name, real)
+    assert head + [b["i"].tolist() for b in second] == full[1]
