@@ -313,6 +313,14 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         sampler_generators.restore_global(self._loader_generator, state)
         sampler_generators.restore(self._index_sampler, self._loader_generator,
                                    state.get("sampler_generators"))
+        if not _resume.sampler_had_drawn(state) and self._global_rng_kept is not None:
+            # saved without workers before its first batch: that run's sampler would
+            # draw from the global RNG as it was when saved, and leave it moved on
+            kept, self._global_rng_kept = self._global_rng_kept, None
+            _resume.restore_rng(None, kept)
+            self._sampler_rng = _resume.capture_rng(self._loader_generator)
+            if self._global_sampler_rng is not None:
+                self._global_sampler_rng = kept
         target = _resume.next_seq(state)
         draw = (lambda: as_list(self._next_index())) if self._sends_ranges else self._next_index
         index_of = _resume.indices_to_replay(state, draw,

@@ -203,6 +203,14 @@ def global_rng_after_resume(generator, state):
     return None if now is None else now.clone()
 
 
+def sampler_had_drawn(state) -> bool:
+    """Whether the saved epoch's sampler had drawn from its RNGs: once a batch was
+    taken, and from the start with workers (iter() draws the batches of the tasks
+    it hands out first); without workers, the first batch draws them. One that had
+    not draws, resumed, from the RNGs as the saved run had them when saved."""
+    return bool(next_seq(state) or state.get("fingerprint", {}).get("num_workers"))
+
+
 def rng_before_base_seed(generator, state, persistent=None):
     """The loader's RNG before a new iterator draws its base seed, where that draw
     must be undone: a state taken at the end of an epoch of persistent workers,

@@ -28,6 +28,10 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
     # drew from it (sampler_generators.py)
     _global_start = None
     _global_sampler_rng = None
+    # resumed from a state whose sampler had drawn at iter() (the saved run had
+    # workers) and nothing yielded: the global RNG is left as saved only once the
+    # first batch is drawn here
+    _global_rng_after_first_draw = False
 
     def __init__(self, loader, session=None):
         # the loader's state across epochs (session.py); a detached one otherwise
@@ -85,8 +89,10 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
             self._epoch = self._session.epoch = state["epoch"]
             # without a generator and nothing drawn yet in the saved epoch, its
             # sampler draws its seed at the first batch, from the global RNG as the
-            # saved run had it then (set below), not as the epoch found it
-            if _resume.next_seq(state) or self._loader_generator is not None:
+            # saved run had it then (set below), not as the epoch found it; unless
+            # the saved run had workers, whose sampler draws at iter()
+            drawn = _resume.sampler_had_drawn(state)
+            if drawn or self._loader_generator is not None:
                 _resume.restore_rng(self._loader_generator, state["sampler_rng"])
             sampler_generators.restore_global(self._loader_generator, state)
             self._global_start = None
@@ -109,15 +115,24 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
                         self._dataset_fetcher.fetch(index)
                     except Exception:   # it was the user's to catch in the saved run
                         pass
-            if self._global_rng_kept is not None:   # the skipped indices are drawn
-                kept, self._global_rng_kept = self._global_rng_kept, None
-                _resume.restore_rng(None, kept)
+            if self._draws or not drawn:   # the skipped indices are drawn
+                self._leave_global_rng_as_saved()
+            else:   # once the first batch is drawn, as the saved run had drawn it
+                self._global_rng_after_first_draw = True
             self._ahead = set(state.get("delivered_ahead", ()))
             if self._ahead:
                 self._next_index = self._next_index_skipping
             self._num_yielded = state["yielded"]
         else:
             self._capture_sampler_start()
+
+    def _leave_global_rng_as_saved(self):
+        """A resumed epoch's sampler has drawn what the saved run's had: the global
+        RNG goes where that run had it when the state was taken (see
+        resume.global_rng_after_resume)."""
+        if self._global_rng_kept is not None:
+            kept, self._global_rng_kept = self._global_rng_kept, None
+            _resume.restore_rng(None, kept)
 
     def _capture_sampler_start(self):
         """The RNGs the sampler draws from (the loader's generator or the global
@@ -139,6 +154,9 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
                 start, self._global_start = self._global_start, None
                 self._global_sampler_rng = sampler_generators.global_rng_drawn(
                     start, self._index_sampler)
+                if self._global_rng_after_first_draw:
+                    self._global_rng_after_first_draw = False
+                    self._leave_global_rng_as_saved()
         else:
             index = super()._next_index()
         self._draws += 1

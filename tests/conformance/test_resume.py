@@ -1347,3 +1347,38 @@ def test_a_failed_resume_of_a_global_rng_sampler_leaves_the_global_rng_as_it_was
     assert torch.equal(torch.get_rng_state(), before)
     monkeypatch.setattr(cls, name, real)
     assert head + [b["i"].tolist() for b in second] == full[1]
+
+
+@pytest.mark.parametrize("generator", ["none", "the loader's, not the sampler's"])
+@pytest.mark.parametrize("saved,resumed", [(2, 0), (0, 2), (2, 1)])
+def test_a_state_saved_before_the_first_batch_resumes_with_another_worker_count(
+        saved, resumed, generator):
+    """A sampler that draws from the global RNG: a state taken right after iter(),
+    resumed by a loader with another num_workers, yields the epoch the saved run
+    went on to yield, and then leaves the global RNG where that run had it. A
+    loader with workers draws its sampler's first batches in iter(), one without
+    at its first batch: resumed without workers, the sampler drew from the global
+    RNG as saved, not from where the saved epoch's sampler had started (shuffled
+    otherwise); resumed with workers, it left the global RNG one draw behind."""
+    ds = list(range(24))
+
+    def loader(workers):
+        if generator == "none":
+            return fastloader.DataLoader(ds, batch_size=4, shuffle=True, num_workers=workers)
+        return make(ds, batch_size=4, num_workers=workers,
+                    sampler=torch.utils.data.RandomSampler(ds))
+
+    torch.manual_seed(0)
+    first = loader(saved)
+    it = iter(first)
+    state = first.state_dict()
+    expected = [b.tolist() for b in it]
+    expected_draw = torch.rand(3)
+    del it, first
+    torch.manual_seed(99)   # a restarted job's RNG: the state's is what counts
+    second = loader(resumed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fastloader.FastLoaderWarning)
+        second.load_state_dict(state)
+    assert [b.tolist() for b in second] == expected
+    assert torch.equal(torch.rand(3), expected_draw)
