@@ -1149,6 +1149,21 @@ def _own_generator_loader(ds, workers, **kw):
     return make(ds, batch_size=4, num_workers=workers, sampler=sampler, **kw)
 
 
+def _saved_in_the_third_epoch(new_loader, k):
+    """A loader's state in its third epoch (of 6 batches): after k batches, after
+    all of them with the end not asked ("all yielded"), or at its "end"; with how
+    many batches were taken and their "i"."""
+    first = new_loader()
+    epochs(first, 2)
+    it = iter(first)
+    taken = {"end": 6, "all yielded": 6}.get(k, k)
+    head = [next(it)["i"].tolist() for _ in range(taken)]
+    if k == "end":
+        with pytest.raises(StopIteration):
+            next(it)
+    return taken, head, first.state_dict()
+
+
 @pytest.mark.parametrize("workers,persistent", [(0, False), (2, False), (2, True)])
 @pytest.mark.parametrize("k", [0, 2, "all yielded", "end"])
 def test_a_sampler_with_its_own_generator_resumes_its_shuffle(workers, persistent, k):
@@ -1162,16 +1177,8 @@ def test_a_sampler_with_its_own_generator_resumes_its_shuffle(workers, persisten
     kw = dict(persistent_workers=True) if persistent else {}
     full = [[b["i"].tolist() for b in epoch]
             for epoch in epochs(_own_generator_loader(ds, workers, **kw), 5)]
-    first = _own_generator_loader(ds, workers, **kw)
-    epochs(first, 2)
-    it = iter(first)
-    taken = {"end": 6, "all yielded": 6}.get(k, k)
-    head = [next(it)["i"].tolist() for _ in range(taken)]
-    if k == "end":
-        with pytest.raises(StopIteration):
-            next(it)
-    state = first.state_dict()
-    del it, first
+    taken, head, state = _saved_in_the_third_epoch(
+        lambda: _own_generator_loader(ds, workers, **kw), k)
     assert head == full[2][:taken]
     second = _own_generator_loader(ds, workers, **kw)
     second.load_state_dict(state)
@@ -1230,16 +1237,8 @@ def test_a_sampler_that_draws_from_the_global_rng_resumes_beside_a_loader_genera
     draw_after_epoch_4 = torch.rand(3)
     full.append([b["i"].tolist() for b in loader])
     del loader
-    first = _global_sampler_loader(ds, workers, sampler, **kw)
-    epochs(first, 2)
-    it = iter(first)
-    taken = {"end": 6, "all yielded": 6}.get(k, k)
-    head = [next(it)["i"].tolist() for _ in range(taken)]
-    if k == "end":
-        with pytest.raises(StopIteration):
-            next(it)
-    state = first.state_dict()
-    del it, first
+    taken, head, state = _saved_in_the_third_epoch(
+        lambda: _global_sampler_loader(ds, workers, sampler, **kw), k)
     assert head == full[2][:taken]
     assert state["global_rng"] is not None
     second = _global_sampler_loader(ds, workers, sampler, **kw)
@@ -1275,6 +1274,28 @@ def test_a_sampler_with_the_loaders_generator_leaves_the_global_rng_alone(worker
     assert torch.equal(torch.rand(3), expected)
 
 
+def _iter_interrupted_once_the_sampler_drew(loader, workers, monkeypatch, then=None):
+    """iter(loader) raises KeyboardInterrupt once its sampler has drawn (the first
+    tasks' batches with workers, the resumed epoch's skipped ones without), after
+    `then(iterator)`; the next iter() runs as usual."""
+    from fastloader import iterator, single
+
+    cls, name = (iterator.FastMultiProcessingIter, "_try_put_index") if workers else \
+        (single.SingleProcessIter, "_start_epoch")
+    real = getattr(cls, name)
+
+    def draw_then_interrupt(self, *args):
+        real(self, *args)
+        if then is not None:
+            then(self)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cls, name, draw_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        iter(loader)
+    monkeypatch.setattr(cls, name, real)
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_an_epoch_that_could_not_start_keeps_the_sampler_generator_and_epoch_number(
         workers, monkeypatch):
@@ -1282,8 +1303,6 @@ def test_an_epoch_that_could_not_start_keeps_the_sampler_generator_and_epoch_num
     sampler has drawn its first batch: the retry shuffles as the uninterrupted
     epoch 3 (the sampler's own generator is put back as the loader's is), and is
     numbered 3 (the failed start had used the number up)."""
-    from fastloader import iterator, single
-
     ds = rd.RandomAugmented(24)
     full = [[b["i"].tolist() for b in epoch]
             for epoch in epochs(_own_generator_loader(ds, workers), 3)]
@@ -1292,22 +1311,14 @@ def test_an_epoch_that_could_not_start_keeps_the_sampler_generator_and_epoch_num
     state = first.state_dict()
     second = _own_generator_loader(ds, workers)
     second.load_state_dict(state)
-    cls, name = (iterator.FastMultiProcessingIter, "_try_put_index") if workers else \
-        (single.SingleProcessIter, "_start_epoch")
-    real = getattr(cls, name)
 
-    def draw_then_interrupt(self, *args):
-        real(self, *args)
+    def draw_first_batch(it):
         if workers:
-            assert self._send_idx == 1   # the sampler drew the first batch
+            assert it._send_idx == 1   # the sampler drew the first batch
         else:
-            self._next_index()
-        raise KeyboardInterrupt
+            it._next_index()
 
-    monkeypatch.setattr(cls, name, draw_then_interrupt)
-    with pytest.raises(KeyboardInterrupt):
-        iter(second)
-    monkeypatch.setattr(cls, name, real)
+    _iter_interrupted_once_the_sampler_drew(second, workers, monkeypatch, draw_first_batch)
     assert [b["i"].tolist() for b in second] == full[2]
     assert second.state_dict()["epoch"] == 3
 
@@ -1319,8 +1330,6 @@ def test_a_failed_resume_of_a_global_rng_sampler_leaves_the_global_rng_as_it_was
     generator: the resume sets the global RNG back to the epoch's start for the
     sampler. If iter() then fails (Ctrl-C) once the sampler drew, the job's global
     RNG is as it was before iter(), and the retry still resumes the epoch."""
-    from fastloader import iterator, single
-
     ds = rd.RandomAugmented(24)
     full = [[b["i"].tolist() for b in epoch]
             for epoch in epochs(_global_sampler_loader(ds, workers, "random"), 2)]
@@ -1332,20 +1341,9 @@ def test_a_failed_resume_of_a_global_rng_sampler_leaves_the_global_rng_as_it_was
     del it, first
     second = _global_sampler_loader(ds, workers, "random")
     second.load_state_dict(state)
-    cls, name = (iterator.FastMultiProcessingIter, "_try_put_index") if workers else \
-        (single.SingleProcessIter, "_start_epoch")
-    real = getattr(cls, name)
-
-    def draw_then_interrupt(self, *args):
-        real(self, *args)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(cls, name, draw_then_interrupt)
     before = torch.get_rng_state()
-    with pytest.raises(KeyboardInterrupt):
-        iter(second)
+    _iter_interrupted_once_the_sampler_drew(second, workers, monkeypatch)
     assert torch.equal(torch.get_rng_state(), before)
-    monkeypatch.setattr(cls, name, real)
     assert head + [b["i"].tolist() for b in second] == full[1]
 
 
