@@ -538,21 +538,33 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
                     return True
                 if self._sends_ranges:
                     index = as_list(index)
-                task[2] = pickled = pickle.dumps(index, protocol=pickle.HIGHEST_PROTOCOL)
+                try:
+                    pickled = pickle.dumps(index, protocol=pickle.HIGHEST_PROTOCOL)
+                except Exception:
+                    # indices that cannot be pickled (an object holding a lambda):
+                    # torch's queue thread prints the error and its loader waits for
+                    # ever; here the batch raises it in its turn (see below)
+                    return self._fail_in_turn(wid, seq, f"in the main process, pickling "
+                                                        f"batch {seq}'s indices for worker {wid}")
+                task[2] = pickled
             return ch.offer_task(TASK_PICKLE, seq, pickled)
         except (MemoryError, ValueError):
             # The task ring's pages could not be reserved (shared memory is full),
-            # or the task is larger than a ring can ever take: this batch raises in
-            # its turn, as a worker's error would, and the batches before and after
-            # it are delivered; here, inside the caller's next(), the batch in hand
-            # would be lost.
+            # or the task is larger than a ring can ever take.
             if ch.closed:
                 raise
-            error = ExceptionWrapper(where=f"in the main process, sending batch {seq}'s "
-                                           f"task to worker {wid}")
-            self._task_info[seq] = (wid, (error, WHERE_NONE, _NOT_SENT))
-            self._tasks_outstanding -= 1
-            return True
+            return self._fail_in_turn(wid, seq, f"in the main process, sending batch {seq}'s "
+                                                f"task to worker {wid}")
+
+    def _fail_in_turn(self, wid, seq, where):
+        """Batch `seq`'s task could not be sent (the exception being handled says
+        why): the batch raises it in its turn, as a worker's error would, and the
+        batches before and after it are delivered; raised here, inside the caller's
+        next(), it would lose the batch in hand. True: the task is dealt with."""
+        error = ExceptionWrapper(where=where)
+        self._task_info[seq] = (wid, (error, WHERE_NONE, _NOT_SENT))
+        self._tasks_outstanding -= 1
+        return True
 
     def _accept(self, got):
         """A received result's bookkeeping. A resume's answer or a worker's end of

@@ -183,3 +183,56 @@ def test_an_exception_whose_class_cannot_be_pickled_arrives_as_a_runtime_error()
     assert "in DataLoader worker process 0 (batch 1, index 1)" in message, message
     assert "_local_error_class.<locals>.LocalError that cannot be pickled" in message, message
     assert "LocalError: local boom" in message and 'raise self.error("local boom")' in message
+
+
+class _HoldsALambda:
+    """An index that cannot be pickled (its lambda is a local object)."""
+
+    def __init__(self, i):
+        self.i = i
+        self.f = lambda: i
+
+
+class _IndexOrHolder(torch.utils.data.Dataset):
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        return getattr(i, "i", i)
+
+
+class _BatchFiveUnpicklable:
+    """Batches of 4 in order; batch 5's indices cannot be pickled."""
+
+    def __iter__(self):
+        for b in range(10):
+            batch = list(range(b * 4, b * 4 + 4))
+            yield [_HoldsALambda(i) for i in batch] if b == 5 else batch
+
+    def __len__(self):
+        return 10
+
+
+@pytest.mark.parametrize("prefetch_factor", [1, 4])
+def test_indices_that_cannot_be_pickled_fail_their_own_batch(prefetch_factor):
+    """A batch sampler yields indices that cannot be pickled for batch 5. torch's
+    loader waits until `timeout` for it; here batch 5 raises the pickling error in
+    its turn, naming it, and the batches before and after it arrive. It was raised
+    from the iter() or next() that sent batch 5's task, and that next()'s own
+    batch was lost."""
+    loader = DataLoader(_IndexOrHolder(), batch_sampler=_BatchFiveUnpicklable(),
+                        num_workers=2, prefetch_factor=prefetch_factor)
+    got, errors = [], []
+    with deadline(60):
+        it = iter(loader)
+        for _ in range(11):
+            try:
+                got.append(next(it).tolist())
+            except StopIteration:
+                break
+            except AttributeError as e:   # what pickle raises for a local object
+                errors.append((len(got), str(e)))
+    assert got == [list(range(b * 4, b * 4 + 4)) for b in range(10) if b != 5], got
+    assert len(errors) == 1 and errors[0][0] == 5, errors
+    assert "in the main process, pickling batch 5's indices" in errors[0][1], errors
+    assert "Can't pickle local object" in errors[0][1], errors
