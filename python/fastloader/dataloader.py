@@ -86,8 +86,10 @@ class DataLoader(_TorchDataLoader[T_co]):
         pending = session.pending_resume()
         # where the loaded state put the generators (the attempt draws from them)
         rng = _resume.capture_rng(self.generator) if pending is not None else None
-        # and the global RNG, which a resume may set for a sampler drawing from it
-        global_rng = _resume.capture_rng(None) if pending is not None else None
+        # and, beside a generator, the global RNG, which a resume sets for a
+        # sampler that draws from it all the same (sampler_generators.py)
+        global_rng = (_resume.capture_rng(None)
+                      if pending is not None and self.generator is not None else None)
         own = (sampler_generators.capture(self._index_sampler, self.generator)
                if pending is not None else None)
         epoch = session.epoch
@@ -105,7 +107,8 @@ class DataLoader(_TorchDataLoader[T_co]):
             session.epoch = epoch
             if pending is not None and session.pending_resume() is None:
                 session.resume_from(pending)
-                _resume.restore_rng(None, global_rng)
+                if global_rng is not None:
+                    _resume.restore_rng(None, global_rng)
                 _resume.restore_rng(self.generator, rng)
                 sampler_generators.restore(self._index_sampler, self.generator, own)
             raise
@@ -134,7 +137,7 @@ class DataLoader(_TorchDataLoader[T_co]):
         state["rng_now"] = _resume.capture_rng(self.generator)
         state["sampler_generators_now"] = sampler_generators.capture(self._index_sampler,
                                                                      self.generator)
-        if state.get("global_rng") is not None:   # the sampler draws from it
+        if sampler_generators.draws_from_global(state):
             state["global_rng_now"] = _resume.capture_rng(None)
         # whether this loader's next epoch draws no base seed (see the iterators)
         state["persistent"] = bool(self.persistent_workers and self.num_workers > 0)
@@ -175,7 +178,7 @@ class DataLoader(_TorchDataLoader[T_co]):
         if state.get("epoch_done"):
             # the next epoch starts as it would have: same RNG, same base seed
             _resume.restore_rng(self.generator, state["rng_now"])
-            sampler_generators.restore_global(self.generator, state, "global_rng_now")
+            sampler_generators.restore_global(self.generator, state, now=True)
             sampler_generators.restore(self._index_sampler, self.generator,
                                        state.get("sampler_generators_now"))
         session.resume_from(state)

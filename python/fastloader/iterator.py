@@ -89,8 +89,8 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         # the loader's state across epochs (session.py)
         session = session if session is not None else LoaderSession()
         resume_state = session.take_resume()
-        # set once the resumed epoch's first indices are drawn (_reset)
-        self._global_rng_kept = _resume.global_rng_after_resume(loader.generator, resume_state)
+        # put in place once the resumed epoch's first indices are drawn (_reset)
+        self._global_rng_kept = _resume.GlobalRngAfterResume(loader.generator, resume_state)
         before_base_seed = _resume.rng_before_base_seed(loader.generator, resume_state,
                                                         loader.persistent_workers)
         # from torch's line, so that its pin_memory warnings point where torch's do
@@ -290,8 +290,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             self._sampler_rng = state["sampler_rng"].clone()
             self._sampler_gens = [s.clone() for s in state.get("sampler_generators", ())]
             self._global_sampler_rng = state.get("global_rng")
-            self._fast_forward(state)
-            global_start = None
+            global_start = self._fast_forward(state)
         else:
             self._sampler_rng = _resume.capture_rng(self._loader_generator)
             self._sampler_gens = sampler_generators.capture(self._index_sampler,
@@ -302,25 +301,26 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         if global_start is not None:   # the sampler has drawn its first batches
             self._global_sampler_rng = sampler_generators.global_rng_drawn(
                 global_start, self._index_sampler, drawn=self._send_idx > 0)
-        if self._global_rng_kept is not None:   # the sampler has drawn its seed by now
-            kept, self._global_rng_kept = self._global_rng_kept, None
-            _resume.restore_rng(None, kept)
+        self._global_rng_kept.apply()   # the sampler has drawn its seed by now
 
     def _fast_forward(self, state):
         """Skip the batches the interrupted run already yielded, and bring every
-        worker's RNG (and iterable position) to where it was."""
+        worker's RNG (and iterable position) to where it was. Returns where the
+        global RNG stands as this epoch's sampler starts, to be told whether it
+        draws from it (sampler_generators.global_rng_drawn), where the state could
+        not tell; else None."""
         _resume.restore_rng(self._loader_generator, state["sampler_rng"])
         sampler_generators.restore_global(self._loader_generator, state)
         sampler_generators.restore(self._index_sampler, self._loader_generator,
                                    state.get("sampler_generators"))
-        if not _resume.sampler_had_drawn(state) and self._global_rng_kept is not None:
+        global_start = None
+        if not _resume.sampler_had_drawn(state):
             # saved without workers before its first batch: that run's sampler would
-            # draw from the global RNG as it was when saved, and leave it moved on
-            kept, self._global_rng_kept = self._global_rng_kept, None
-            _resume.restore_rng(None, kept)
+            # draw from the RNGs as they were when saved (and leave them moved on),
+            # so this epoch's sampler starts there, as a fresh epoch's would
+            self._global_rng_kept.apply()
             self._sampler_rng = _resume.capture_rng(self._loader_generator)
-            if self._global_sampler_rng is not None:
-                self._global_sampler_rng = kept
+            global_start = sampler_generators.global_rng_start(self._loader_generator)
         target = _resume.next_seq(state)
         draw = (lambda: as_list(self._next_index())) if self._sends_ranges else self._next_index
         index_of = _resume.indices_to_replay(state, draw,
@@ -338,6 +338,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         self._cycle_order = [(start + i) % self._num_workers for i in range(self._num_workers)]
         self._cycle_pos = 0
         self._num_yielded = state["yielded"]
+        return global_start
 
     def state_dict(self):
         """Where this epoch stands; see DataLoader.state_dict()."""
@@ -357,6 +358,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             "sampler_rng": self._sampler_rng,
             "sampler_generators": self._sampler_gens,
             "global_rng": self._global_sampler_rng,
+            "sampler_drawn": True,   # iter() drew the first tasks' batches
             "next_seq": self._rcvd_idx,
             "next_worker": nxt,
             "yielded": self._num_yielded,

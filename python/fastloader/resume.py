@@ -182,7 +182,7 @@ def control_messages(worker_state: dict, index_of: dict) -> list:
     return messages
 
 
-def global_rng_after_resume(generator, state):
+class GlobalRngAfterResume:
     """Where a mid-epoch resume leaves the process's global RNG once the resumed
     epoch's own draws are made: where the saved run had it when the state was
     taken. Without a generator, the iterator (its base seed) and the sampler (its
@@ -192,23 +192,42 @@ def global_rng_after_resume(generator, state):
     same way), which left the global RNG rewound there, so the loop's draws after
     a resume repeated the epoch's first ones (and the next epoch shuffled as that
     one). With a generator of the loader's, the same holds for a sampler that drew
-    from the global RNG all the same (sampler_generators: `global_rng`). None
-    where neither draws from it, or for no state or a state outside an epoch (which
-    sets the generator itself, see load_state_dict)."""
-    if state is None or state.get("fresh") or state.get("epoch_done"):
-        return None
-    if generator is None:
-        return state["rng_now"].clone()
-    now = state.get("global_rng_now") if state.get("global_rng") is not None else None
-    return None if now is None else now.clone()
+    from the global RNG all the same (sampler_generators.draws_from_global).
+    Nothing where neither draws from it, or for no state or a state outside an
+    epoch (which sets the generator itself, see load_state_dict). Set once, by the
+    iterator that resumes; put in place once, by apply()."""
+
+    __slots__ = ("_rng",)
+
+    def __init__(self, generator, state):
+        rng = None
+        if state is not None and not state.get("fresh") and not state.get("epoch_done"):
+            rng = (state["rng_now"] if generator is None
+                   else sampler_generators.global_rng_now(state))
+        self._rng = None if rng is None else rng.clone()
+
+    def apply(self):
+        """Put the global RNG where the saved run had it (once): that RNG, or None
+        where there is nothing to put (or it was put already)."""
+        rng, self._rng = self._rng, None
+        if rng is not None:
+            torch.set_rng_state(rng)
+        return rng
 
 
 def sampler_had_drawn(state) -> bool:
     """Whether the saved epoch's sampler had drawn from its RNGs: once a batch was
     taken, and from the start with workers (iter() draws the batches of the tasks
     it hands out first); without workers, the first batch draws them. One that had
-    not draws, resumed, from the RNGs as the saved run had them when saved."""
-    return bool(next_seq(state) or state.get("fingerprint", {}).get("num_workers"))
+    not draws, resumed, from the RNGs as the saved run had them when saved. The
+    iterators say so in the state ("sampler_drawn", which a loaded state saved
+    again keeps); a state saved before that key tells by its number of workers."""
+    if next_seq(state):
+        return True
+    drawn = state.get("sampler_drawn")
+    if drawn is None:
+        drawn = state.get("fingerprint", {}).get("num_workers")
+    return bool(drawn)
 
 
 def rng_before_base_seed(generator, state, persistent=None):

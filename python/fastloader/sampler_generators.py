@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["capture", "global_rng_drawn", "global_rng_start", "own_generators", "restore",
-           "restore_global"]
+__all__ = ["capture", "draws_from_global", "global_rng_drawn", "global_rng_now",
+           "global_rng_start", "own_generators", "restore", "restore_global"]
 
 
 def _generator(obj):
@@ -37,16 +37,21 @@ def _generator(obj):
     return g if isinstance(g, torch.Generator) else None
 
 
+def _samplers(index_sampler):
+    """`index_sampler` and the sampler it wraps (a batch sampler's), if any."""
+    try:
+        inner = getattr(index_sampler, "sampler", None)
+    except Exception:   # a property that raises: torch never reads it
+        inner = None
+    return [obj for obj in (index_sampler, inner) if obj is not None]
+
+
 def own_generators(index_sampler, loader_generator) -> list:
     """The generators of `index_sampler` and of the sampler it wraps, in that
     order, other than the loader's (saved as sampler_rng) and each once."""
     found = []
-    try:
-        inner = getattr(index_sampler, "sampler", None)
-    except Exception:
-        inner = None
-    for obj in (index_sampler, inner):
-        g = _generator(obj) if obj is not None else None
+    for obj in _samplers(index_sampler):
+        g = _generator(obj)
         if g is not None and g is not loader_generator and all(g is not f for f in found):
             found.append(g)
     return found
@@ -78,13 +83,9 @@ def _torch_sampler_without_generator(index_sampler) -> bool:
     """Whether the sampler, or the one a batch sampler wraps, is one of torch's
     shuffling samplers (a `generator` attribute) given none: they draw from the
     global RNG."""
-    try:
-        inner = getattr(index_sampler, "sampler", None)
-    except Exception:
-        inner = None
-    for obj in (index_sampler, inner):
+    for obj in _samplers(index_sampler):
         try:
-            if obj is not None and hasattr(obj, "generator") and obj.generator is None:
+            if hasattr(obj, "generator") and obj.generator is None:
                 return True
         except Exception:   # a property that raises: torch never reads it
             continue
@@ -104,11 +105,24 @@ def global_rng_drawn(start, index_sampler, drawn=True):
     return start if _torch_sampler_without_generator(index_sampler) else None
 
 
-def restore_global(loader_generator, state, key="global_rng") -> None:
-    """Where the state says the sampler drew from the global RNG: that RNG where
-    the saved epoch's sampler started (before a resumed epoch draws again), or
-    with `key` "global_rng_now" where it was at save time (an epoch-end state:
-    the next epoch draws from it)."""
-    rng = state.get(key) if state.get("global_rng") is not None else None
+def draws_from_global(state) -> bool:
+    """Whether the state's sampler drew from the global RNG beside a loader
+    generator: only then do its global RNGs (``global_rng``, ``global_rng_now``)
+    count."""
+    return state.get("global_rng") is not None
+
+
+def global_rng_now(state):
+    """The global RNG as the saved run had it when the state was taken, where the
+    state's sampler draws from it beside a loader generator; else None."""
+    return state.get("global_rng_now") if draws_from_global(state) else None
+
+
+def restore_global(loader_generator, state, now=False) -> None:
+    """Where the state's sampler drew from the global RNG beside the loader's
+    generator: that RNG where the saved epoch's sampler started (before a resumed
+    epoch draws again), or with `now` where it was at save time (an epoch-end
+    state: the next epoch draws from it)."""
+    rng = global_rng_now(state) if now else state.get("global_rng")
     if loader_generator is not None and rng is not None:
         torch.set_rng_state(rng)

@@ -28,18 +28,16 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
     # drew from it (sampler_generators.py)
     _global_start = None
     _global_sampler_rng = None
-    # resumed from a state whose sampler had drawn at iter() (the saved run had
-    # workers) and nothing yielded: the global RNG is left as saved only once the
-    # first batch is drawn here
-    _global_rng_after_first_draw = False
+    # (index,): the epoch's first batch of indices, drawn in iter() (see _prime)
+    _primed = None
 
     def __init__(self, loader, session=None):
         # the loader's state across epochs (session.py); a detached one otherwise
         self._session = session if session is not None else LoaderSession()
         self._resume_state = self._session.take_resume()
-        # set once the resumed epoch's skipped indices are drawn (_start_epoch)
-        self._global_rng_kept = _resume.global_rng_after_resume(loader.generator,
-                                                                self._resume_state)
+        # put in place once the resumed epoch's skipped indices are drawn
+        self._global_rng_kept = _resume.GlobalRngAfterResume(loader.generator,
+                                                             self._resume_state)
         self._loader_generator = loader.generator
         self._before_base_seed = _resume.rng_before_base_seed(loader.generator,
                                                               self._resume_state)
@@ -76,6 +74,7 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         self._epoch = self._session.begin_epoch()
         self._epoch_done = False
         self._draws = 0
+        self._primed = None
         state, self._resume_state = self._resume_state, None
         if state is not None and state.get("epoch_done"):
             # the one after the saved run's
@@ -115,10 +114,9 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
                         self._dataset_fetcher.fetch(index)
                     except Exception:   # it was the user's to catch in the saved run
                         pass
-            if self._draws or not drawn:   # the skipped indices are drawn
-                self._leave_global_rng_as_saved()
-            else:   # once the first batch is drawn, as the saved run had drawn it
-                self._global_rng_after_first_draw = True
+            if drawn and not self._draws:
+                self._prime()
+            self._global_rng_kept.apply()   # the skipped indices are drawn
             self._ahead = set(state.get("delivered_ahead", ()))
             if self._ahead:
                 self._next_index = self._next_index_skipping
@@ -126,13 +124,16 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         else:
             self._capture_sampler_start()
 
-    def _leave_global_rng_as_saved(self):
-        """A resumed epoch's sampler has drawn what the saved run's had: the global
-        RNG goes where that run had it when the state was taken (see
-        resume.global_rng_after_resume)."""
-        if self._global_rng_kept is not None:
-            kept, self._global_rng_kept = self._global_rng_kept, None
-            _resume.restore_rng(None, kept)
+    def _prime(self):
+        """Resumed from a state whose sampler had drawn its first batch in iter()
+        (the saved run had workers) and nothing yielded: draw it now too, from
+        the RNGs as that run's sampler found them, before the global RNG is put
+        where that run had it when saved (so that a draw the loop makes before
+        the first next() comes from there, as it did in that run)."""
+        try:
+            self._primed = (self._first_draw(),)
+        except StopIteration:   # an empty epoch: the first next() ends it
+            pass
 
     def _capture_sampler_start(self):
         """The RNGs the sampler draws from (the loader's generator or the global
@@ -143,20 +144,22 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         self._global_start = sampler_generators.global_rng_start(self._loader_generator)
         self._global_sampler_rng = None
 
+    def _first_draw(self):
+        # where the sampler starts drawing: a generator-less one draws its seed
+        # from the global RNG now, not at iter() (the loop may draw between)
+        self._capture_sampler_start()
+        try:
+            return super()._next_index()
+        finally:
+            start, self._global_start = self._global_start, None
+            self._global_sampler_rng = sampler_generators.global_rng_drawn(
+                start, self._index_sampler)
+
     def _next_index(self):
-        if not self._draws:
-            # where the sampler starts drawing: a generator-less one draws its seed
-            # from the global RNG now, not at iter() (the loop may draw between)
-            self._capture_sampler_start()
-            try:
-                index = super()._next_index()
-            finally:
-                start, self._global_start = self._global_start, None
-                self._global_sampler_rng = sampler_generators.global_rng_drawn(
-                    start, self._index_sampler)
-                if self._global_rng_after_first_draw:
-                    self._global_rng_after_first_draw = False
-                    self._leave_global_rng_as_saved()
+        if self._primed is not None:
+            (index,), self._primed = self._primed, None
+        elif not self._draws:
+            index = self._first_draw()
         else:
             index = super()._next_index()
         self._draws += 1
@@ -201,10 +204,12 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
                      self._dataset_kind, self._index_sampler, self._draws, self._ahead),
                  "base_seed": self._base_seed,
                  "sampler_rng": self._sampler_rng, "sampler_generators": self._sampler_gens,
-                 # before the first draw, whether the sampler is one that will
+                 # before the first draw, whether the sampler is one that will (a
+                 # flag then: a resume draws from global_rng_now, see the iterators)
                  "global_rng": (self._global_sampler_rng if self._global_start is None
                                 else sampler_generators.global_rng_drawn(
                                     self._global_start, self._index_sampler, drawn=False)),
+                 "sampler_drawn": bool(self._draws) or self._primed is not None,
                  "yielded": self._num_yielded,
                  "next_seq": self._draws, "workers": []}
         if self._ahead:   # still skipping batches delivered ahead

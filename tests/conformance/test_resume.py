@@ -1,6 +1,7 @@
 """Mid-epoch resume: stop after k batches, save, restore into a fresh loader (as
 a restarted job would), and the rest of the epoch equals an uninterrupted run,
 batch by batch, including values drawn from worker RNGs."""
+import functools
 import time
 import warnings
 
@@ -1347,6 +1348,17 @@ def test_a_failed_resume_of_a_global_rng_sampler_leaves_the_global_rng_as_it_was
     assert head + [b["i"].tolist() for b in second] == full[1]
 
 
+def _shuffled_from_the_global_rng(ds, generator, workers, sampler="random"):
+    """A loader whose sampler shuffles from the global RNG: without a generator
+    (shuffle=True), or beside the loader's (a RandomSampler, or a custom sampler
+    calling torch.randperm, made without it)."""
+    if generator == "none":
+        return fastloader.DataLoader(ds, batch_size=4, shuffle=True, num_workers=workers)
+    made = (torch.utils.data.RandomSampler(ds) if sampler == "random"
+            else _GlobalPermutation(len(ds)))
+    return make(ds, batch_size=4, num_workers=workers, sampler=made)
+
+
 @pytest.mark.parametrize("generator", ["none", "the loader's, not the sampler's"])
 @pytest.mark.parametrize("saved,resumed", [(2, 0), (0, 2), (2, 1)])
 def test_a_state_saved_before_the_first_batch_resumes_with_another_worker_count(
@@ -1359,13 +1371,7 @@ def test_a_state_saved_before_the_first_batch_resumes_with_another_worker_count(
     RNG as saved, not from where the saved epoch's sampler had started (shuffled
     otherwise); resumed with workers, it left the global RNG one draw behind."""
     ds = list(range(24))
-
-    def loader(workers):
-        if generator == "none":
-            return fastloader.DataLoader(ds, batch_size=4, shuffle=True, num_workers=workers)
-        return make(ds, batch_size=4, num_workers=workers,
-                    sampler=torch.utils.data.RandomSampler(ds))
-
+    loader = functools.partial(_shuffled_from_the_global_rng, ds, generator)
     torch.manual_seed(0)
     first = loader(saved)
     it = iter(first)
@@ -1380,3 +1386,103 @@ def test_a_state_saved_before_the_first_batch_resumes_with_another_worker_count(
         second.load_state_dict(state)
     assert [b.tolist() for b in second] == expected
     assert torch.equal(torch.rand(3), expected_draw)
+
+
+@pytest.mark.parametrize("generator", ["none", "the loader's, not the sampler's"])
+@pytest.mark.parametrize("saved,loaded,resumed", [(2, 0, 2), (0, 2, 0), (2, 0, 0), (0, 2, 2)])
+def test_a_loaded_state_saved_again_by_another_worker_count_resumes_as_the_first(
+        generator, saved, loaded, resumed):
+    """A state taken right after iter() (the loop drew from the global RNG before
+    taking it), loaded by a loader with another num_workers and saved again before
+    it iterated, resumes as the first state does: the same batches, and the global
+    RNG left where the saved run had it. Whether the saved run's sampler had drawn
+    was read from the number of workers, which the second save changed."""
+    loader = functools.partial(_shuffled_from_the_global_rng, list(range(24)), generator)
+    torch.manual_seed(0)
+    first = loader(saved)
+    it = iter(first)
+    torch.rand(5)
+    state = first.state_dict()
+    expected = [b.tolist() for b in it]
+    expected_draw = torch.rand(3)
+    del it, first
+    torch.manual_seed(99)
+    middle = loader(loaded)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fastloader.FastLoaderWarning)
+        middle.load_state_dict(state)
+        again = middle.state_dict()
+        torch.manual_seed(42)
+        last = loader(resumed)
+        last.load_state_dict(again)
+    assert [b.tolist() for b in last] == expected
+    assert torch.equal(torch.rand(3), expected_draw)
+
+
+@pytest.mark.parametrize("generator", ["none", "the loader's, not the sampler's"])
+def test_a_resumed_loader_without_workers_draws_its_first_batch_in_iter(generator):
+    """A state saved with workers right after iter() (their sampler drew its first
+    batches there), resumed without workers: the loop's draws from the global RNG
+    between iter() and the first next() come from where the saved run had the RNG,
+    not from the epoch's start (they shifted the sampler's draw: other batches);
+    and a state taken there holds the saved run's RNG and resumes the same way."""
+    loader = functools.partial(_shuffled_from_the_global_rng, list(range(24)), generator)
+    torch.manual_seed(0)
+    first = loader(2)
+    it = iter(first)
+    state = first.state_dict()
+    torch.rand(5)
+    expected = [b.tolist() for b in it]
+    expected_draw = torch.rand(3)
+    del it, first
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fastloader.FastLoaderWarning)
+        torch.manual_seed(1)
+        second = loader(0)
+        second.load_state_dict(state)
+        it = iter(second)
+        again = second.state_dict()
+        torch.rand(5)
+        assert [b.tolist() for b in it] == expected
+        assert torch.equal(torch.rand(3), expected_draw)
+        del it
+        torch.manual_seed(2)
+        third = loader(0)
+        third.load_state_dict(again)
+        it = iter(third)
+        torch.rand(5)
+        assert [b.tolist() for b in it] == expected
+        assert torch.equal(torch.rand(3), expected_draw)
+
+
+def test_a_resumed_epoch_tells_again_whether_its_sampler_draws_from_the_global_rng():
+    """A custom sampler drawing from the global RNG beside a loader generator,
+    saved without workers right after iter() (that state cannot tell what it draws
+    from), resumed with workers: that epoch's sampler draws there, so a state it
+    takes 2 batches on says so, and resumes what the resumed run went on to
+    yield. It kept the first state's "cannot tell", and the second resume drew
+    another order: samples twice, others never."""
+    ds = list(range(24))
+    loader = functools.partial(_shuffled_from_the_global_rng, ds, "loader's", sampler="custom")
+    torch.manual_seed(0)
+    first = loader(0)
+    it = iter(first)
+    state = first.state_dict()
+    del it, first
+    torch.manual_seed(1)
+    second = loader(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fastloader.FastLoaderWarning)
+        second.load_state_dict(state)
+    it = iter(second)
+    head = [next(it).tolist() for _ in range(2)]
+    again = second.state_dict()
+    rest = [b.tolist() for b in it]
+    del it, second
+    assert again["global_rng"] is not None
+    torch.manual_seed(2)
+    third = loader(2)
+    third.load_state_dict(again)
+    got = [b.tolist() for b in third]
+    assert got == rest
+    assert sorted(sum(head + got, [])) == ds
