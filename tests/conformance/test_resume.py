@@ -1486,3 +1486,63 @@ def test_a_resumed_epoch_tells_again_whether_its_sampler_draws_from_the_global_r
     got = [b.tolist() for b in third]
     assert got == rest
     assert sorted(sum(head + got, [])) == ds
+
+
+class _ShufflesInIter(torch.utils.data.Sampler):
+    """A batch sampler whose __iter__ shuffles at once and returns an iterator over
+    the batches (not a generator function): it draws inside iter(sampler), from
+    its own generator if it has one, else from the global RNG."""
+
+    def __init__(self, n, generator=None):
+        self.n, self.generator = n, generator
+
+    def __len__(self):
+        return self.n // 4
+
+    def __iter__(self):
+        order = torch.randperm(self.n, generator=self.generator)
+        return iter(order.view(-1, 4).tolist())
+
+
+@pytest.mark.parametrize("kind", ["global RNG", "global RNG beside a loader generator",
+                                  "its own generator"])
+@pytest.mark.parametrize("saved,resumed", [(0, 0), (2, 2), (2, 0), (0, 2)])
+@pytest.mark.parametrize("k", [0, 2])
+def test_a_sampler_that_shuffles_in_iter_itself_resumes(kind, saved, resumed, k):
+    """A batch sampler that draws in iter(sampler) itself: the resumed epoch yields
+    the rest of the saved one, and (same num_workers) the global RNG is left as
+    the uninterrupted run has it, and the next epoch is that run's. The RNGs were captured after that
+    draw (and the resumed iterator drew from the restarted job's RNGs), so the
+    resumed epoch had another order: samples twice, others never."""
+    ds = list(range(24))
+
+    def loader(workers):
+        own = torch.Generator().manual_seed(3) if kind == "its own generator" else None
+        generator = (torch.Generator().manual_seed(7)
+                     if kind == "global RNG beside a loader generator" else None)
+        return fastloader.DataLoader(ds, batch_sampler=_ShufflesInIter(24, own),
+                                     num_workers=workers, generator=generator)
+
+    torch.manual_seed(0)
+    full = loader(saved)
+    whole = [[b.tolist() for b in full] for _ in range(3)]
+    expected_draw = torch.rand(3)
+    torch.manual_seed(0)
+    first = loader(saved)
+    [b for b in first]
+    it = iter(first)
+    head = [next(it).tolist() for _ in range(k)]
+    state = first.state_dict()
+    del it, first
+    assert head == whole[1][:k]
+    torch.manual_seed(99)
+    second = loader(resumed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fastloader.FastLoaderWarning)
+        second.load_state_dict(state)
+    assert [b.tolist() for b in second] == whole[1][k:]
+    if saved == resumed:
+        # (torch's iterator calls iter(sampler) twice per epoch with workers, once
+        # without: with another num_workers the next epochs draw otherwise)
+        assert [b.tolist() for b in second] == whole[2]
+        assert torch.equal(torch.rand(3), expected_draw)
