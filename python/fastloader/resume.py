@@ -392,16 +392,12 @@ def as_epoch_end(loader, state: dict) -> dict:
     before = capture_rng(generator)
     global_before = torch.get_rng_state() if generator is not None else None
     own_before = sampler_generators.capture(sampler, generator)
-    own, drawn = False, 0
+    restore_rng(generator, state["sampler_rng"])
+    sampler_generators.restore_global(generator, state)
+    own = sampler_generators.restore(sampler, generator, state.get("sampler_generators"))
+    drawn = 0
     try:
-        # a sampler that shuffles in __iter__ itself draws in iter(sampler), from
-        # the RNGs as the saved epoch's iter() found them
-        indices = (iter(sampler) if restore_rngs_before_iter(sampler, generator, state)
-                   else None)
-        restore_rng(generator, state["sampler_rng"])
-        sampler_generators.restore_global(generator, state)
-        own = sampler_generators.restore(sampler, generator, state.get("sampler_generators"))
-        for _ in (indices if indices is not None else sampler):
+        for _ in sampler:
             drawn += 1
             if drawn > length:
                 break
