@@ -227,9 +227,6 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
                 self._shutdown = True
                 raise
             return
-        # the sampler's RNGs where this epoch's sampler starts (nothing else draws
-        # from them between here and its first batch)
-        starts = _resume.rngs_before_iter(self._index_sampler, self._loader_generator)
         super()._reset(loader, first_iter)
         if type(self) in (FastMultiProcessingIter, _LengthCheckedIter):   # not a user's subclass
             checks_length = (self._dataset_kind == _DatasetKind.Iterable
@@ -295,7 +292,10 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             self._global_sampler_rng = state.get("global_rng")
             global_start = self._fast_forward(state)
         else:
-            self._sampler_rng, self._sampler_gens, global_start = starts
+            self._sampler_rng = _resume.capture_rng(self._loader_generator)
+            self._sampler_gens = sampler_generators.capture(self._index_sampler,
+                                                            self._loader_generator)
+            global_start = sampler_generators.global_rng_start(self._loader_generator)
         for _ in range(self._prefetch_factor * self._num_workers):
             self._try_put_index()
         if global_start is not None:   # the sampler has drawn its first batches
@@ -309,19 +309,10 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         global RNG stands as this epoch's sampler starts, to be told whether it
         draws from it (sampler_generators.global_rng_drawn), where the state could
         not tell; else None."""
-        # a sampler that shuffles in __iter__ itself drew in _reset, from this
-        # job's RNGs: it starts again, from the saved epoch's (a state saved with
-        # workers has them as sampler_rng, one saved without before its first batch)
-        before_iter = _resume.restore_rngs_before_iter(self._index_sampler,
-                                                       self._loader_generator, state)
-        if before_iter:
-            self._new_sampler_iter()
         _resume.restore_rng(self._loader_generator, state["sampler_rng"])
         sampler_generators.restore_global(self._loader_generator, state)
         sampler_generators.restore(self._index_sampler, self._loader_generator,
                                    state.get("sampler_generators"))
-        if not before_iter:
-            self._new_sampler_iter()
         global_start = None
         if not _resume.sampler_had_drawn(state):
             # saved without workers before its first batch: that run's sampler would
@@ -348,10 +339,6 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         self._cycle_pos = 0
         self._num_yielded = state["yielded"]
         return global_start
-
-    def _new_sampler_iter(self):
-        if not self._sends_ranges:   # (sequential ranges draw nothing)
-            self._sampler_iter = iter(self._index_sampler)
 
     def state_dict(self):
         """Where this epoch stands; see DataLoader.state_dict()."""

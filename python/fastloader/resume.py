@@ -243,29 +243,6 @@ def rng_before_base_seed(generator, state, persistent=None):
     return capture_rng(generator)
 
 
-def rngs_before_iter(index_sampler, generator) -> list:
-    """The RNGs a sampler draws from (the loader's generator or the global RNG,
-    and its own generators; the global RNG beside a loader generator third, or
-    None), before iter(sampler): a sampler whose __iter__ shuffles at once
-    (returns an iterator over what it drew) draws in iter(), one written as a
-    generator only at its first batch."""
-    return [capture_rng(generator), sampler_generators.capture(index_sampler, generator),
-            sampler_generators.global_rng_start(generator)]
-
-
-def restore_rngs_before_iter(index_sampler, generator, state) -> bool:
-    """Put back the RNGs as the saved epoch's iter(sampler) found them, for a new
-    iter(sampler) to draw what that one drew: whether the state has them (a state
-    saved without workers; with workers, `sampler_rng` is taken there itself)."""
-    before = state.get("sampler_rngs_before_iter")
-    if not before:
-        return False
-    restore_rng(generator, before[0])
-    sampler_generators.restore(index_sampler, generator, before[1])
-    sampler_generators.restore_global(generator, state)
-    return True
-
-
 def capture_rng(generator):
     return (generator.get_state() if generator is not None else torch.get_rng_state()).clone()
 

@@ -6,7 +6,6 @@ batches were yielded and, for an IterableDataset, where the dataset stands
 own RNGs; a resume re-seeds nothing of it.)"""
 from __future__ import annotations
 
-import torch
 from torch.utils.data import IterableDataset
 from torch.utils.data.dataloader import _DatasetKind, _SingleProcessDataLoaderIter
 
@@ -29,12 +28,6 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
     # drew from it (sampler_generators.py)
     _global_start = None
     _global_sampler_rng = None
-    # beside a loader generator, the global RNG before iter(sampler) where the
-    # sampler drew from it there (it shuffles in __iter__ itself)
-    _global_drawn_in_iter = None
-    # the RNGs before this epoch's iter(sampler) (resume.rngs_before_iter), for
-    # state_dict()
-    _before_iter = None
     # (index,): the epoch's first batch of indices, drawn in iter() (see _prime)
     _primed = None
 
@@ -53,9 +46,8 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         # before torch's fetcher calls iter(dataset): a stateful iterable goes back
         # where it was (an iterator built before would not see it)
         self._replay = self._put_iterable_back(loader.dataset, self._resume_state)
-        before_iter = _resume.rngs_before_iter(loader._index_sampler, loader.generator)
         super().__init__(loader)
-        self._start_epoch(before_iter)
+        self._start_epoch()
 
     def _put_iterable_back(self, dataset, state) -> bool:
         """Whether the batches drawn before `state` must be replayed (fetched and
@@ -74,19 +66,15 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         return True
 
     def _reset(self, loader, first_iter=False):
-        before_iter = _resume.rngs_before_iter(self._index_sampler, self._loader_generator)
         super()._reset(loader, first_iter)
         if not first_iter:
-            self._start_epoch(before_iter)
+            self._start_epoch()
 
-    def _start_epoch(self, before_iter):
-        """`before_iter`: the sampler's RNGs before torch's iterator called
-        iter(sampler) (resume.rngs_before_iter)."""
+    def _start_epoch(self):
         self._epoch = self._session.begin_epoch()
         self._epoch_done = False
         self._draws = 0
         self._primed = None
-        self._global_drawn_in_iter = None
         state, self._resume_state = self._resume_state, None
         if state is not None and state.get("epoch_done"):
             # the one after the saved run's
@@ -103,14 +91,6 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
             # saved run had it then (set below), not as the epoch found it; unless
             # the saved run had workers, whose sampler draws at iter()
             drawn = _resume.sampler_had_drawn(state)
-            # a sampler that shuffles in __iter__ itself drew in torch's iter(),
-            # from this job's RNGs: it starts again, from the saved epoch's (a state
-            # saved with workers has them as sampler_rng)
-            self._before_iter = state.get("sampler_rngs_before_iter") or [
-                state["sampler_rng"], state.get("sampler_generators", [])]
-            if _resume.restore_rngs_before_iter(self._index_sampler, self._loader_generator,
-                                                state):
-                self._new_sampler_iter()
             if drawn or self._loader_generator is not None:
                 _resume.restore_rng(self._loader_generator, state["sampler_rng"])
             sampler_generators.restore_global(self._loader_generator, state)
@@ -120,8 +100,6 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
             sampler_generators.restore(self._index_sampler, self._loader_generator,
                                        self._sampler_gens)
             self._sampler_rng = state["sampler_rng"]
-            if "sampler_rngs_before_iter" not in state:
-                self._new_sampler_iter()
             # skip the batches before the next one due without fetching them (an
             # iterable's are replayed, see _put_iterable_back), and (from a loader
             # with in_order=False and workers) those it had yielded past it
@@ -144,20 +122,7 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
                 self._next_index = self._next_index_skipping
             self._num_yielded = state["yielded"]
         else:
-            self._before_iter = before_iter[:2]
-            start = before_iter[2]
-            if start is not None and not torch.equal(start, torch.get_rng_state()):
-                self._global_drawn_in_iter = start
             self._capture_sampler_start()
-
-    def _new_sampler_iter(self):
-        """iter(sampler) again, from the RNGs just put back, noting whether it drew
-        from the global RNG beside a loader generator (then the state's
-        global_rng is where it started)."""
-        start = sampler_generators.global_rng_start(self._loader_generator)
-        self._sampler_iter = iter(self._index_sampler)
-        if start is not None and not torch.equal(start, torch.get_rng_state()):
-            self._global_drawn_in_iter = start
 
     def _prime(self):
         """Resumed from a state whose sampler had drawn its first batch in iter()
@@ -187,9 +152,8 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
             return super()._next_index()
         finally:
             start, self._global_start = self._global_start, None
-            self._global_sampler_rng = (
-                self._global_drawn_in_iter if self._global_drawn_in_iter is not None
-                else sampler_generators.global_rng_drawn(start, self._index_sampler))
+            self._global_sampler_rng = sampler_generators.global_rng_drawn(
+                start, self._index_sampler)
 
     def _next_index(self):
         if self._primed is not None:
@@ -223,18 +187,6 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
                 self._loaded_position = None
         return data
 
-    def _global_rng_for_state(self):
-        """The global RNG where the epoch's sampler started, if it draws from it
-        beside a loader generator (sampler_generators.py). Before its first draw,
-        whether it is one that will (a flag then: a resume draws from
-        global_rng_now, see the iterators)."""
-        if self._global_drawn_in_iter is not None:
-            return self._global_drawn_in_iter
-        if self._global_start is None:
-            return self._global_sampler_rng
-        return sampler_generators.global_rng_drawn(self._global_start, self._index_sampler,
-                                                   drawn=False)
-
     def _leave_state_with_loader(self):
         self._session.ended(self.state_dict())
 
@@ -252,8 +204,11 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
                      self._dataset_kind, self._index_sampler, self._draws, self._ahead),
                  "base_seed": self._base_seed,
                  "sampler_rng": self._sampler_rng, "sampler_generators": self._sampler_gens,
-                 "global_rng": self._global_rng_for_state(),
-                 "sampler_rngs_before_iter": self._before_iter,
+                 # before the first draw, whether the sampler is one that will (a
+                 # flag then: a resume draws from global_rng_now, see the iterators)
+                 "global_rng": (self._global_sampler_rng if self._global_start is None
+                                else sampler_generators.global_rng_drawn(
+                                    self._global_start, self._index_sampler, drawn=False)),
                  "sampler_drawn": bool(self._draws) or self._primed is not None,
                  "yielded": self._num_yielded,
                  "next_seq": self._draws, "workers": []}
