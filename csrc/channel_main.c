@@ -584,6 +584,7 @@ map_segment(MainChannelObject *c, const fl_result *r, uint64_t size, void **addr
             char *what, size_t what_len)
 {
     int fd = -1, code;
+    char name[FL_NAME_MAX] = "";
     if (c->strategy == FL_STRATEGY_FD) {
         fl_fdmsg m;
         code = fl_recv_fd(c->sock_main, &fd, &m, err);
@@ -604,7 +605,7 @@ map_segment(MainChannelObject *c, const fl_result *r, uint64_t size, void **addr
         }
     }
     else {
-        char name[FL_NAME_MAX], why[128];
+        char why[128];
         fl_shm_ident ident = {r->token, r->dev, r->ino};
         fl_shm_name(name, c->prefix, 's', r->seg, r->token);
         code = fl_shm_open_verified(name, &ident, size, &fd, err, why, sizeof(why));
@@ -614,10 +615,13 @@ map_segment(MainChannelObject *c, const fl_result *r, uint64_t size, void **addr
                      why[0] ? ": refused, " : "", why);
             return code;
         }
-        shm_unlink(name);   /* both sides have it now: the name is no longer needed */
     }
     code = fl_shm_map(fd, size, addr, err);
     close(fd);   /* the mapping keeps the memory; holding fds would exhaust ulimit -n */
+    /* both sides have it now: the name is no longer needed (kept if the mapping
+       failed, so that a later result in it can try again) */
+    if (code == FL_OK && name[0])
+        shm_unlink(name);
     return code;
 }
 
@@ -636,10 +640,25 @@ fl_mainchan_take(fl_state *st, MainChannelObject *c, const fl_result *r)
             uint64_t size = r->slot_size * r->nslots;
             if (r->nslots == 0 || size / r->nslots != r->slot_size)
                 return fl_raise(FL_CORRUPT, 0, "receiving a ring arena");
+            if (c->arena_lost && r->gen == c->lost_gen) {
+                /* its slots are never handed back: the worker overflows its next
+                   batches into segments of their own, which map as usual */
+                PyErr_Format(PyExc_RuntimeError,
+                             "fastloader: this batch is in worker %d's ring arena, which "
+                             "this process could not map (see the error of an earlier "
+                             "batch: out of file descriptors or memory)", c->worker_id);
+                goto unrebuilt;
+            }
             char what[FL_NAME_MAX + 200] = "mapping a worker's ring arena";
             code = map_segment(c, r, size, &addr, &err, what, sizeof(what));
-            if (code != FL_OK)
-                return fl_raise(code, err, what);
+            if (code != FL_OK) {
+                if (c->strategy == FL_STRATEGY_FD) {   /* (a name is opened again) */
+                    c->arena_lost = 1;
+                    c->lost_gen = r->gen;
+                }
+                fl_raise(code, err, what);
+                goto unrebuilt;
+            }
             SegmentObject *seg =
                 fl_segment_new_batch(st, addr, size, r->nslots, (size_t)r->slot_size);
             if (seg == NULL)
@@ -666,8 +685,10 @@ fl_mainchan_take(fl_state *st, MainChannelObject *c, const fl_result *r)
         uint64_t size = FL_ALIGN_UP(r->nbytes, 4096);
         char what[FL_NAME_MAX + 200] = "mapping an overflow segment";
         code = map_segment(c, r, size, &addr, &err, what, sizeof(what));
-        if (code != FL_OK)
-            return fl_raise(code, err, what);
+        if (code != FL_OK) {
+            fl_raise(code, err, what);
+            goto unrebuilt;
+        }
         SegmentObject *seg = fl_segment_new_batch(st, addr, size, 1, size);
         if (seg == NULL)
             return NULL;
@@ -683,14 +704,16 @@ fl_mainchan_take(fl_state *st, MainChannelObject *c, const fl_result *r)
     }
     /* views hold the owner now; if none was made the slot is released right here */
     Py_XDECREF(owner_obj);
+unrebuilt:;
     unsigned kind = r->kind;
     if (payload == NULL) {
-        /* The result was taken off the ring but cannot be rebuilt here (an object
-         * whose unpickling fails in this process, bytes that fail validation):
-         * raising now would lose its seq, and the next next() would wait for it
-         * for ever. It becomes that batch's error, raised in its turn as a
-         * worker's error is, with the exception itself as the payload. Ctrl-C and
-         * other non-Exceptions still propagate at once. */
+        /* The result was taken off the ring but cannot be rebuilt here (its
+         * segment cannot be mapped, an object whose unpickling fails in this
+         * process, bytes that fail validation): raising now would lose its seq,
+         * and the next next() would wait for it for ever. It becomes that batch's
+         * error, raised in its turn as a worker's error is, with the exception
+         * itself as the payload. Ctrl-C and other non-Exceptions still propagate
+         * at once. */
         if (!PyErr_ExceptionMatches(PyExc_Exception))
             return NULL;
         payload = fl_take_exception();

@@ -66,6 +66,10 @@ struct MainChannelObject {
     uint64_t ctl_dev, ctl_ino;   /* file_system: what the worker must find at ctl_name */
     SegmentObject *arena;
     uint32_t arena_gen;
+    /* file_descriptor: an arena whose fd was taken but could not be mapped (no fd
+       or memory left): its fd is gone, so its batches fail without another recvmsg */
+    int arena_lost;
+    uint32_t lost_gen;
     uint64_t arena_slot_size;
     uint32_t arena_nslots;
     uint64_t n_batches, n_slot, n_overflow, n_arenas;

@@ -142,8 +142,11 @@ fl_recv_fd(int sock, int *fd_out, fl_fdmsg *msg, int *err)
     mh.msg_control = u.buf;
     mh.msg_controllen = sizeof(u.buf);
     ssize_t n;
+    /* The worker sends a segment's fd before it publishes the result naming it,
+     * so it is there already: never wait for it (with the GIL held, a wait for an
+     * fd that will not come would freeze the process). */
     do {
-        n = recvmsg(sock, &mh, MSG_CMSG_CLOEXEC);
+        n = recvmsg(sock, &mh, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
     } while (n < 0 && errno == EINTR);
     if (n <= 0) {
         *err = n < 0 ? errno : EPIPE;
@@ -157,7 +160,9 @@ fl_recv_fd(int sock, int *fd_out, fl_fdmsg *msg, int *err)
     if (fd < 0 || (size_t)n != len || (mh.msg_flags & (MSG_CTRUNC | MSG_TRUNC))) {
         if (fd >= 0)
             close(fd);
-        *err = EPROTO;
+        /* no fd and a truncated control message: the kernel could not install
+           the fd here, this process is out of them (ulimit -n) */
+        *err = (fd < 0 && (mh.msg_flags & MSG_CTRUNC)) ? EMFILE : EPROTO;
         return FL_ERRNO;
     }
     *fd_out = fd;
