@@ -206,13 +206,12 @@ class GlobalRngAfterResume:
                    else sampler_generators.global_rng_now(state))
         self._rng = None if rng is None else rng.clone()
 
-    def apply(self):
-        """Put the global RNG where the saved run had it (once): that RNG, or None
-        where there is nothing to put (or it was put already)."""
+    def apply(self) -> None:
+        """Put the global RNG where the saved run had it (once; nothing where
+        there is nothing to put)."""
         rng, self._rng = self._rng, None
         if rng is not None:
             torch.set_rng_state(rng)
-        return rng
 
 
 def sampler_had_drawn(state) -> bool:
@@ -367,7 +366,7 @@ def as_epoch_end(loader, state: dict) -> dict:
         return state
     generator = loader.generator
     before = capture_rng(generator)
-    global_before = torch.get_rng_state() if generator is not None else None
+    global_before = capture_rng(None) if generator is not None else None
     own_before = sampler_generators.capture(sampler, generator)
     restore_rng(generator, state["sampler_rng"])
     sampler_generators.restore_global(generator, state)
@@ -383,7 +382,7 @@ def as_epoch_end(loader, state: dict) -> dict:
     finally:
         restore_rng(generator, before)
         if global_before is not None:   # a sampler that draws from it moved it
-            torch.set_rng_state(global_before)
+            restore_rng(None, global_before)
         sampler_generators.restore(sampler, generator, own_before)
     if drawn > length:
         return state
