@@ -20,7 +20,7 @@ import threading
 import time
 import warnings
 import weakref
-from multiprocessing import popen_fork, reduction, util as _mp_util
+from multiprocessing import popen_fork, process as _mp_process, reduction, util as _mp_util
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -85,6 +85,17 @@ def _forget_parents_workers() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_parents_workers)
+
+
+def _unregister_child(proc) -> None:
+    """Take a started worker out of multiprocessing's children: the pool reaps it
+    (reaper.py). Left in, a process forked from this one (os.fork()) that exits
+    normally had multiprocessing's exit hook SIGTERM it (the loop here then failed
+    with WorkerError), and multiprocessing.active_children() reaped it, taking its
+    exit status from the pool."""
+    children = getattr(_mp_process, "_children", None)
+    if isinstance(children, set):
+        children.discard(proc)
 
 
 @dataclass
@@ -341,6 +352,7 @@ class WorkerPool:
         first = len(self.procs)
         for i, proc in enumerate(procs):
             if errors[i] is None:
+                _unregister_child(proc)
                 self.procs.append(WorkerProcess(proc))
                 self._pids.append(proc.pid)
                 ch = self.channels[first + i]

@@ -91,3 +91,49 @@ def test_a_process_forked_from_the_main_process_cannot_drive_its_loader(strategy
         assert outcome == ["fastloader: channel is closed"] * 2, outcome
         got += [clone_batch(b) for b in it]
     assert_same_batch_lists(expected, got, strategy)
+
+
+_FORK_THEN_EXIT = """
+import os, sys, torch
+from fastloader import DataLoader
+
+loader = DataLoader(list(range(64)), batch_size=4, num_workers=2,
+                    multiprocessing_context=sys.argv[1])
+it = iter(loader)
+got = [next(it).tolist()]
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)   # a normal interpreter exit: atexit hooks, multiprocessing's included
+os.waitpid(pid, 0)
+got += [b.tolist() for b in it]
+assert got == [list(range(i, i + 4)) for i in range(0, 64, 4)], got
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("ctx", ["fork", "spawn"])
+def test_a_forked_process_that_exits_leaves_the_loaders_workers_alone(ctx):
+    """os.fork() while a loader is live, and the child exits normally: the loop
+    goes on in the parent. The workers were multiprocessing's children too, so the
+    child's exit hook sent them SIGTERM (the loop failed with WorkerError; torch's
+    loader fails the same way)."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _FORK_THEN_EXIT, ctx], capture_output=True,
+                         text=True, timeout=180)
+    assert (run.returncode, run.stdout.strip()) == (0, "ok"), run.stderr[-3000:]
+
+
+def test_multiprocessing_active_children_does_not_reap_the_workers():
+    """The pool reaps its workers: multiprocessing.active_children() neither lists
+    them nor reaps one that has exited (it took the exit status from the pool)."""
+    import multiprocessing
+
+    loader = DataLoader(list(range(16)), batch_size=4, num_workers=2,
+                        multiprocessing_context="fork")
+    with deadline(60):
+        it = iter(loader)
+        pids = set(it.worker_pids)
+        assert not pids & {p.pid for p in multiprocessing.active_children()}
+        assert len(list(it)) == 4
