@@ -4,6 +4,9 @@ intra-op pool, a user thread holding a lock) at the fork.
 Every wait runs under `deadline` (SIGALRM) or a subprocess timeout, and
 faulthandler_timeout (pyproject) dumps stacks if all else fails.
 """
+import multiprocessing
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -117,19 +120,14 @@ def test_a_forked_process_that_exits_leaves_the_loaders_workers_alone(ctx):
     goes on in the parent. The workers were multiprocessing's children too, so the
     child's exit hook sent them SIGTERM (the loop failed with WorkerError; torch's
     loader fails the same way)."""
-    import subprocess
-    import sys
-
     run = subprocess.run([sys.executable, "-c", _FORK_THEN_EXIT, ctx], capture_output=True,
                          text=True, timeout=180)
     assert (run.returncode, run.stdout.strip()) == (0, "ok"), run.stderr[-3000:]
 
 
 def test_multiprocessing_active_children_does_not_reap_the_workers():
-    """The pool reaps its workers: multiprocessing.active_children() neither lists
-    them nor reaps one that has exited (it took the exit status from the pool)."""
-    import multiprocessing
-
+    """The pool reaps its workers: multiprocessing.active_children() does not list
+    them (so it cannot reap one and take its exit status from the pool)."""
     loader = DataLoader(list(range(16)), batch_size=4, num_workers=2,
                         multiprocessing_context="fork")
     with deadline(60):
