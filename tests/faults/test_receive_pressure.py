@@ -94,32 +94,36 @@ def _batch(b):
     return [2 * b, 2 * b + 1]
 
 
-def _check(outcomes, first_error, later_errors_allowed):
-    """One outcome per batch, in order: the first batch that could not be mapped
-    raised `first_error`; any later error is a batch of the arena that could not
-    be mapped (at most a ring's slots of them); every other batch is right, and
-    the last ones arrive."""
+def _check(outcomes, first_error, later_errors_allowed, workers=1):
+    """One outcome per batch, in order (batch b from worker b % workers): each
+    worker's first batch that could not be mapped raised `first_error` (every
+    worker whose result arrived while the resource was out); any later error of
+    that worker is a batch of the arena that could not be mapped (at most a ring's
+    slots of them); every other batch is right, and the last ones arrive."""
     assert len(outcomes) == 20, outcomes
     errors = [b for b, got in enumerate(outcomes) if got != _batch(b)]
     assert errors, outcomes
-    name, message = outcomes[errors[0]]
-    assert (name, first_error[1] in message) == (first_error[0], True), outcomes[errors[0]]
-    for b in errors[1:]:
-        assert later_errors_allowed, outcomes
+    failed_workers = set()
+    for b in errors:
         name, message = outcomes[b]
-        assert name == "RuntimeError" and "could not map" in message, outcomes[b]
-    assert len(errors) <= 8, outcomes
+        if b % workers not in failed_workers:
+            failed_workers.add(b % workers)
+            assert (name, first_error[1] in message) == (first_error[0], True), outcomes[b]
+        else:
+            assert later_errors_allowed, outcomes
+            assert name == "RuntimeError" and "could not map" in message, outcomes[b]
+    assert len(errors) <= 8 * workers, outcomes
     assert outcomes[-4:] == [_batch(b) for b in range(16, 20)], outcomes
 
 
 def test_out_of_file_descriptors_as_a_batch_arrives():
     """The arena's fd cannot be received (ulimit -n): that batch raises EMFILE's
     error (it said "Protocol error"); the batches of that arena, whose fd is gone,
-    raise an error naming it; the other worker's batches and, once the worker
-    overflows into new segments, its own arrive."""
+    raise an error naming it, and once the worker overflows into new segments its
+    batches arrive. (The other worker's first result may have been taken, and met
+    the limit, in the same next(): the same for it.)"""
     outcomes = _outcomes(_FD_LIMIT)
-    _check(outcomes, ("OSError", "Too many open files"), later_errors_allowed=True)
-    assert all(outcomes[b] == _batch(b) for b in range(1, 20, 2)), outcomes   # worker 1's
+    _check(outcomes, ("OSError", "Too many open files"), later_errors_allowed=True, workers=2)
 
 
 @pytest.mark.parametrize("strategy", ["file_descriptor", "file_system"])
