@@ -66,7 +66,9 @@ from tests.support.helpers import assert_same_batches, deadline
 TORCH = torch.utils.data.DataLoader
 FAST = fastloader.DataLoader
 START_METHODS = ("fork", "spawn", "forkserver")
-HAS_ACCELERATOR = torch.accelerator.is_available()
+# torch.accelerator is torch >= 2.6's; before it, CUDA was the accelerator pinning used
+HAS_ACCELERATOR = (torch.accelerator.is_available() if hasattr(torch, "accelerator")
+                   else torch.cuda.is_available())
 
 
 # ======================================================================================

@@ -124,8 +124,9 @@ class DtypesDataset(Dataset):
     TORCH_DTYPES = (
         torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
         torch.float16, torch.bfloat16, torch.float32, torch.float64,
-        torch.complex64, torch.complex128, torch.uint16, torch.uint32, torch.uint64,
-    )
+        torch.complex64, torch.complex128,
+    ) + tuple(getattr(torch, name) for name in ("uint16", "uint32", "uint64")
+              if hasattr(torch, name))   # torch >= 2.3
     NUMPY_DTYPES = (np.bool_, np.float16, np.uint16, np.int8, np.complex64, np.uint64)
 
     def __init__(self, n=N):

@@ -69,7 +69,7 @@ SAMPLES = [
     np.arange(10, dtype=np.float32).reshape(2, 5), np.zeros((0, 3)), np.array(5),
     np.arange(12)[::2], np.float16(2.5), np.bool_(True), np.complex64(1 + 2j),
     torch.randn(3, 4), torch.randn(4, 3).t(), torch.zeros(0), torch.tensor(7),
-    torch.randn(2, 2).to(torch.bfloat16), torch.tensor([1, 2], dtype=torch.uint16),
+    torch.randn(2, 2).to(torch.bfloat16),
     torch.randn(3, requires_grad=True), (1 + 2j) * torch.ones(2, dtype=torch.complex64).conj(),
     torch.randn(3).to_sparse(), Custom(torch.arange(3), 9),
     collections.OrderedDict(a=torch.ones(1)), {"nested": [[[torch.ones(1)]]]},
@@ -79,6 +79,8 @@ SAMPLES = [
     (lambda lst: [lst, lst, (lst,)])([torch.ones(2), "x"]),
     np.asfortranarray(np.arange(12.0).reshape(3, 4)), torch.ones(3).expand(2, 3),
 ]
+if hasattr(torch, "uint16"):   # torch >= 2.3
+    SAMPLES.append(torch.tensor([1, 2], dtype=torch.uint16))
 
 
 # a sparse tensor is rebuilt by torch's own function, as torch's transport does it,
