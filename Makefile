@@ -6,7 +6,7 @@ VPY    := $(VENV)/bin/python
 DEPS   := $(VENV)/.deps-stamp
 CFLAGS_STRICT := FASTLOADER_WERROR=1
 
-.PHONY: all install test test-compat bench bench-ffcv test-asan leakcheck clean
+.PHONY: all install test test-compat test-oldtorch bench bench-ffcv test-asan leakcheck clean
 
 all: test
 
@@ -35,16 +35,26 @@ test: install
 # this target takes from `install`: .ci/run removes .venv first (disk) and runs
 # `make -o install test-compat`. requirements-compat.txt goes in with --no-deps, which
 # does not notice a missing dependency, so the import is checked before the stamp.
+#
+# $(call side_venv,VENV,REQUIREMENTS,MODULES): such a venv of another torch, its
+# packages pinned in REQUIREMENTS and installed with --no-deps, MODULES (space
+# separated) imported to check it, and python/ on its path by a .pth file.
+define side_venv
+	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install -q --disable-pip-version-check --no-deps -r $(2)
+	$(1)/bin/python -c "import $(subst $(space),$(comma) ,$(strip $(3)))"
+	$(1)/bin/python -c "import sysconfig; open(sysconfig.get_paths()['purelib'] \
+		+ '/fastloader-source.pth', 'w').write('$(CURDIR)/python\n')"
+	touch $(1)/.deps-stamp
+endef
+comma := ,
+space := $(subst ,, )
+
 CVENV := .venv-compat
 CVPY  := $(CVENV)/bin/python
 CDEPS := $(CVENV)/.deps-stamp
 $(CDEPS): requirements-compat.txt
-	test -x $(CVPY) || $(PYTHON) -m venv $(CVENV)
-	$(CVPY) -m pip install -q --disable-pip-version-check --no-deps -r requirements-compat.txt
-	$(CVPY) -c "import torch, torchvision"
-	$(CVPY) -c "import sysconfig; open(sysconfig.get_paths()['purelib'] \
-		+ '/fastloader-source.pth', 'w').write('$(CURDIR)/python\n')"
-	touch $@
+	$(call side_venv,$(CVENV),requirements-compat.txt,torch torchvision)
 
 test-compat: install $(CDEPS)
 	$(CVPY) -c "import fastloader._core as c, torch, torchvision; \
@@ -52,6 +62,24 @@ test-compat: install $(CDEPS)
 		print('compat venv: torch', torch.__version__, 'torchvision', \
 		torchvision.__version__, 'fastloader from', c.__file__)"
 	$(CVPY) -m pytest -q tests/clients/test_torchvision.py tests/conformance/test_conformance.py
+
+# The oldest torch in range (`torch>=2.1`): .venv-oldtorch holds torch 2.1.2 (PyPI's
+# CUDA build, run on the CPU; ~4.5 GB) with NumPy 1.26, and the conformance directory
+# runs on it against that torch's own DataLoader, with the same in-place build as
+# test-compat. tests/support/torch_features.py says what is skipped there (what torch
+# 2.1 lacks or gets wrong itself). Not in CI (the download, and ~15 min on 2 cores):
+# run it after a change to how fastloader follows torch's code.
+OVENV := .venv-oldtorch
+OVPY  := $(OVENV)/bin/python
+ODEPS := $(OVENV)/.deps-stamp
+$(ODEPS): requirements-oldtorch.txt
+	$(call side_venv,$(OVENV),requirements-oldtorch.txt,torch numpy)
+
+test-oldtorch: install $(ODEPS)
+	$(OVPY) -c "import fastloader._core as c, torch; \
+		assert c.__file__.startswith('$(CURDIR)/python/'), c.__file__; \
+		print('oldtorch venv: torch', torch.__version__, 'fastloader from', c.__file__)"
+	$(OVPY) -m pytest -q tests/conformance
 
 BENCH_DEPS := $(VENV)/.bench-deps-stamp
 # requirements-dev.txt rides along for its torch==2.13.0 pin: torchdata and SPDL must

@@ -32,11 +32,24 @@ def _is_torchs_own(cls) -> bool:
             and code.co_filename == _sampler_module.__file__)
 
 
+def _reads_batch_size_as_ranges_do() -> bool:
+    """Whether torch's BatchSampler.__iter__ is the one `_ranges` follows (it slices
+    the sampler's iterator: islice, or zip with drop_last). Those before it (torch
+    2.5 and older) fill a list index by index and read ``batch_size`` otherwise: a
+    batch_size set to 0 after construction gives empty batches there, not an
+    empty epoch; such a torch keeps its own iterator. Asked once _is_torchs_own has
+    said the method is torch's function, at each epoch (a patch may come and go)."""
+    names = BatchSampler.__dict__["__iter__"].__code__.co_names
+    return "islice" in names and "zip" in names
+
+
 def sequential_batches(index_sampler) -> Optional[Iterator[range]]:
     """An iterator of ``range`` batches equal to ``iter(index_sampler)``'s lists,
     or None when `index_sampler` is not torch's BatchSampler over torch's
-    SequentialSampler (exact types, unpatched)."""
-    if type(index_sampler) is not BatchSampler or not _is_torchs_own(BatchSampler):
+    SequentialSampler (exact types, unpatched, of a torch whose BatchSampler reads
+    its batch_size as `_ranges` does)."""
+    if (type(index_sampler) is not BatchSampler or not _is_torchs_own(BatchSampler)
+            or not _reads_batch_size_as_ranges_do()):
         return None
     sampler = index_sampler.sampler
     if type(sampler) is not SequentialSampler or not _is_torchs_own(SequentialSampler):

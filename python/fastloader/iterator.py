@@ -29,7 +29,7 @@ from .distributed import rank_info
 from .index_batches import as_list, sequential_batches
 from .main_spin import MainSpin
 from .metadata_warning import warn_if_heavy_metadata
-from .pin_ahead import PinAhead
+from .pin_ahead import PinAhead, ask_device_before_accelerator
 from .pool import WorkerPool, WorkerSpec, live_workers
 from .protocol import (
     RES_BATCH_SNAP, RES_DEAD, RES_ERROR, RES_ITER_END, RES_RESUMED, TASK_CONTROL, TASK_PICKLE,
@@ -66,6 +66,19 @@ class _Unrebuilt:
         self.error = error
 
 
+def _check_positive(value, args):
+    """As the installed torch checks: `if value <= 0: raise AssertionError(text)`
+    (2.13), or `assert value > 0` (no args; 2.5 and older), which `python -O` drops.
+    The comparison is torch's too, so that a None (prefetch_factor left None,
+    num_workers set after construction) raises the TypeError torch's raises, naming
+    the same operator."""
+    if args:
+        if value <= 0:
+            raise AssertionError(*args)
+    elif __debug__ and not value > 0:
+        raise AssertionError
+
+
 def _task_bytes_estimate(loader) -> int:
     """About how many bytes one task (a batch of indices) takes in the task ring.
     A guess only: a custom batch_sampler's `batch_size` may be anything (sizes per
@@ -98,14 +111,13 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         self._session = session
         self._loader_generator = loader.generator
         self._prefetch_factor = loader.prefetch_factor
-        # the same checks, in the same order, with the same errors as torch's
-        # multi-process iterator
-        if self._num_workers <= 0:
-            raise AssertionError(
-                "num_workers must be greater than 0 for MultiProcessingDataLoaderIter")
-        if self._prefetch_factor <= 0:
-            raise AssertionError(
-                "prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter")
+        # the same checks, in the same order, with the same errors as the installed
+        # torch's multi-process iterator
+        _check_positive(self._num_workers, torch_sites.num_workers_check)
+        _check_positive(self._prefetch_factor, torch_sites.prefetch_factor_check)
+        if self._pin_memory and torch_sites.asks_pin_device_in_main:
+            # before any worker starts: torch's error, from iter(), and nothing to stop
+            ask_device_before_accelerator(self._pin_memory_device)
         self._in_order = getattr(loader, "in_order", True)
         self._recv_timeout = self._timeout if self._timeout > 0 else None
         # In order, only the due batch's worker can let the main process go on:

@@ -41,6 +41,19 @@ def _device_index():
         return None
 
 
+def ask_device_before_accelerator(device):
+    """What torch before torch.accelerator (2.5 and older) does as its multiprocessing
+    iterator is made with pinning on: it asks the pinning device's current index in
+    the main thread, which raises (no driver, say) from iter(). The same call, for
+    the same error."""
+    if device == "xpu":
+        torch.xpu.current_device()
+    elif device == torch._C._get_privateuse1_backend_name():
+        getattr(torch, device).current_device()
+    else:
+        torch.cuda.current_device()   # torch's default
+
+
 def _set_device_index(index):
     acc = getattr(torch, "accelerator", None)
     if acc is not None and hasattr(acc, "set_device_index"):

@@ -24,7 +24,7 @@ from multiprocessing import popen_fork, process as _mp_process, reduction, util 
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from . import _core, forkserver, payload, reaper, sharing, shm_sweep
+from . import _core, forkserver, payload, reaper, sharing, shm_sweep, torch_sites
 from .fork_prep import prepare_for_fork
 from .distributed import rank_info
 from .packed import loader_strategy, starting_strategy
@@ -162,19 +162,12 @@ def _explain_start_error(exc, method):
     own dataloader module where its iterator is made, so a filter on that module
     silences it; fastloader's points at the first frame outside fastloader: for
     `iter(loader)` that same line (torch_sites.new_multiprocessing_iter)."""
-    if isinstance(exc, (TypeError, AttributeError, pickle.PicklingError)):
-        warnings.warn(_PICKLE_HINT, stacklevel=stacklevel_outside("fastloader"))
+    # the installed torch's hint, or none where its DataLoader gives none (2.5 and
+    # older; torch_sites reads it from torch's code)
+    if torch_sites.pickle_hint is not None and isinstance(
+            exc, (TypeError, AttributeError, pickle.PicklingError)):
+        warnings.warn(torch_sites.pickle_hint, stacklevel=stacklevel_outside("fastloader"))
     raise exc
-
-
-# torch's DataLoader gives this hint when a worker cannot be started because its
-# arguments do not pickle; a drop-in must say the same.
-_PICKLE_HINT = (
-    "Got pickle error when attempting to start a worker Process. "
-    "This might be because the worker Process arguments are not picklable. "
-    "Python 3.14+ changed the multiprocessing start method in non-Mac POSIX platforms "
-    "to 'forkserver', which requires the worker Process arguments to be picklable. "
-    "You can also try multiprocessing.set_start_method('fork').")
 
 
 # What Python 3.12+ warns at os.fork() in a process with other threads, from there

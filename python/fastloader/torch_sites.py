@@ -23,6 +23,7 @@ module, at the first line of torch's function or else at line 1.
 from __future__ import annotations
 
 import dis
+import inspect
 import types
 
 from torch.utils.data import dataloader as _torch_dataloader
@@ -97,3 +98,67 @@ new_multiprocessing_iter = _site(_GET_ITERATOR, "_MultiProcessingDataLoaderIter"
                                  "_get_iterator")
 # _MultiProcessingDataLoaderIter.__init__: `super().__init__(loader)`
 base_iter_init = _site(_MP_ITER_INIT, "__init__", "__init__")
+
+
+# What the multiprocessing iterator's __init__ does differs between torch releases;
+# fastloader reads it from the installed torch's own code (its constants and the
+# names it uses), unwrapped where a library wrapped it before fastloader's import.
+def _own_code(owner, name):
+    fn = vars(owner).get(name) if owner is not None else None
+    try:
+        fn = inspect.unwrap(fn) if fn is not None else None
+    except ValueError:   # a cycle of __wrapped__
+        return None
+    code = getattr(fn, "__code__", None)
+    return code if isinstance(code, types.CodeType) and code.co_filename == _FILE else None
+
+
+_MP_ITER_INIT_OWN = _own_code(getattr(_torch_dataloader, "_MultiProcessingDataLoaderIter", None),
+                              "__init__")
+
+# The hint it warns with when a worker cannot be started because its arguments do
+# not pickle, where its code has one (2.13 does; 2.5 and older do not). Where its
+# code cannot be found (replaced outright), the text of the releases that have one.
+_PICKLE_HINT_START = "Got pickle error when attempting to start a worker Process."
+_KNOWN_PICKLE_HINT = (
+    "Got pickle error when attempting to start a worker Process. "
+    "This might be because the worker Process arguments are not picklable. "
+    "Python 3.14+ changed the multiprocessing start method in non-Mac POSIX platforms "
+    "to 'forkserver', which requires the worker Process arguments to be picklable. "
+    "You can also try multiprocessing.set_start_method('fork').")
+
+
+def _pickle_hint(code):
+    if code is None:
+        return _KNOWN_PICKLE_HINT
+    texts = [c for c in code.co_consts if isinstance(c, str)]
+    # the sentence it has begun with so far, else (reworded) a long text about
+    # pickling in a function that handles pickling errors
+    hint = next((t for t in texts if t.startswith(_PICKLE_HINT_START)), None)
+    if hint is None and "PicklingError" in code.co_names:
+        hint = next((t for t in texts if "pickl" in t.lower() and len(t) > 40), None)
+    return hint
+
+
+pickle_hint = _pickle_hint(_MP_ITER_INIT_OWN)
+
+
+def _check_args(code, text):
+    """The AssertionError's args where this torch's multiprocessing iterator raises
+    with `text` (2.13 does); none where it asserts without a message (2.5 and older:
+    `assert self._num_workers > 0`)."""
+    return (text,) if code is None or text in code.co_consts else ()
+
+
+# the AssertionError args of the iterator's checks of num_workers and prefetch_factor
+num_workers_check = _check_args(
+    _MP_ITER_INIT_OWN, "num_workers must be greater than 0 for MultiProcessingDataLoaderIter")
+prefetch_factor_check = _check_args(
+    _MP_ITER_INIT_OWN, "prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter")
+
+# Whether it asks for the pinning device's current index in the main thread without
+# torch.accelerator (2.5 and older: torch.cuda.current_device(), which raises where
+# there is no driver, from iter(); 2.13 asks torch.accelerator, only where one is)
+asks_pin_device_in_main = (_MP_ITER_INIT_OWN is not None
+                           and "current_device" in _MP_ITER_INIT_OWN.co_names
+                           and "accelerator" not in _MP_ITER_INIT_OWN.co_names)

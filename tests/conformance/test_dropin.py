@@ -24,13 +24,14 @@ from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data.dataloader import _SingleProcessDataLoaderIter
 
 import fastloader
-from fastloader import DataLoader, FastLoaderWarning, WorkerError
+from fastloader import DataLoader, FastLoaderWarning, WorkerError, torch_sites
 from fastloader.iterator import FastMultiProcessingIter
 from fastloader.worker_process import WorkerProcess
 from fastloader.metadata_warning import (HeavyMetadataWarning, _reset_once_registry,
                                          find_heavy_metadata)
 from tests.support import dropin_datasets as dd
 from tests.support.helpers import assert_same_batch_lists, collect, deadline
+from tests.support import torch_features as tf
 
 pytestmark = [pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")]
 
@@ -514,7 +515,10 @@ def test_unpicklable_worker_arguments_warn_from_torchs_module_as_torchs(ctx, ins
         return type(info.value), hints
 
     expected = [attempt(TorchDataLoader, f) for f in (False, True)]
-    assert expected[0][1] and not expected[1][1], expected   # what torch does
+    # what torch does: its hint (torch 2.6 and later; none before), which a filter
+    # on its module silences
+    assert bool(expected[0][1]) == (torch_sites.pickle_hint is not None), expected
+    assert not expected[1][1], expected
     if install:
         fastloader.install()
         try:
@@ -661,7 +665,9 @@ def test_the_iterable_length_warning_points_at_the_users_loop_as_torchs(asked, p
                 if "Length of IterableDataset" in str(w.message)]
 
     expected = warned(TorchDataLoader)
-    assert expected and {w[2] for w in expected} == {__file__}, expected   # torch's: this loop
+    assert expected, expected
+    if tf.VERSION >= (2, 6):   # 2.5 and older warn from their own dataloader.py
+        assert {w[2] for w in expected} == {__file__}, expected   # torch's: this loop
     assert warned(DataLoader) == expected
 
 

@@ -23,6 +23,10 @@ import fastloader
 from tests.support import conformance_datasets as cds
 from tests.support import resume_datasets as rd
 from tests.support.helpers import assert_same_batch_lists, clone_batch
+from tests.support.torch_features import needs_accelerator_api
+
+# pinning is played through torch.accelerator (torch 2.6)
+pytestmark = [needs_accelerator_api]
 
 PIN_THREAD = "fastloader_pin"
 

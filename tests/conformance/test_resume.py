@@ -11,6 +11,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 import fastloader
 from tests.support import resume_datasets as rd
+from tests.support import torch_features as tf
 from tests.support.fault_helpers import workers_cannot_start
 from tests.support.helpers import assert_same_batch_lists, clone_batch, deadline, wait_until
 
@@ -621,6 +622,7 @@ def test_loading_a_fresh_state_after_another_one_starts_afresh():
     assert len(list(loader)) == 4
 
 
+@tf.needs_in_order
 def test_an_in_order_false_epoch_whose_batches_were_all_yielded_is_at_its_end():
     """Out of order, the cursor of the batch due lags behind batches delivered
     ahead of it: the state of such an epoch resumed as an empty epoch."""
@@ -836,6 +838,8 @@ def test_a_failing_dataset_state_dict_loses_no_batch_and_resume_replays(fail, k)
     assert_same_batch_lists(full[k:], tail, f"resumed after {k}")
 
 
+@tf.torch_before((2, 5), "torch.load(weights_only=True) warns that TypedStorage is "
+                         "deprecated as it loads any tensor")
 @pytest.mark.parametrize("dataset, num_workers", [
     ("map", 0), ("map", 2), ("stateful_iterable", 2), ("iterable", 2)])
 def test_the_state_loads_with_torch_load_defaults(tmp_path, num_workers, dataset):
@@ -914,6 +918,7 @@ def test_an_iterable_epoch_does_not_resume_with_another_number_of_workers():
         make(rd.CountingStream(45, True), batch_size=3, num_workers=1).load_state_dict(state)
 
 
+@tf.needs_in_order
 @pytest.mark.parametrize("workers", [0, 1, 3])
 def test_an_in_order_false_state_resumes_each_batch_once_with_another_number_of_workers(workers):
     """A state saved with in_order=False holds the batches delivered ahead of the
@@ -934,6 +939,7 @@ def test_an_in_order_false_state_resumes_each_batch_once_with_another_number_of_
     assert sorted(firsts) == list(range(0, 40, 4))
 
 
+@tf.needs_in_order
 @pytest.mark.parametrize("stateful", [True, False])
 @pytest.mark.parametrize("every", [0, 2])
 def test_an_iterable_in_order_false_state_resumes_each_sample_once(stateful, every):
@@ -980,6 +986,7 @@ def _twice_resumed_in_order_false(slow, second_workers, third_workers):
     return [b["i"][0].item() for b in batches]
 
 
+@tf.needs_in_order
 @pytest.mark.parametrize("workers", [2, 3])
 def test_a_resumed_in_order_false_run_saves_its_batches_delivered_ahead(workers):
     """Saved again before the batches delivered ahead were passed, a resumed run's
@@ -1049,6 +1056,7 @@ def test_a_resumed_run_saved_again_resumes_the_same_epoch(workers):
     assert order == [b["i"].tolist() for b in full]
 
 
+@tf.needs_in_order
 @pytest.mark.parametrize("then", [0, 2])
 def test_a_single_process_run_still_skipping_ahead_batches_saves_them(then):
     """From an in_order=False state, a num_workers=0 loader skips the batches that

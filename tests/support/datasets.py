@@ -118,6 +118,11 @@ class NestedDataset(Dataset):
         ]
 
 
+# torch 2.3's uint16/32/64 (as tests/support/torch_features.py tells the tests; not
+# imported from there: it imports pytest, and this module is imported by workers)
+HAS_WIDE_UNSIGNED = hasattr(torch, "uint16")
+
+
 class DtypesDataset(Dataset):
     """One tensor per torch dtype plus NumPy arrays of unusual dtypes, 0-d and empty tensors."""
 
@@ -125,9 +130,11 @@ class DtypesDataset(Dataset):
         torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
         torch.float16, torch.bfloat16, torch.float32, torch.float64,
         torch.complex64, torch.complex128,
-    ) + tuple(getattr(torch, name) for name in ("uint16", "uint32", "uint64")
-              if hasattr(torch, name))   # torch >= 2.3
-    NUMPY_DTYPES = (np.bool_, np.float16, np.uint16, np.int8, np.complex64, np.uint64)
+    ) + ((torch.uint16, torch.uint32, torch.uint64) if HAS_WIDE_UNSIGNED else ())
+    # NumPy's uint16/64 arrays: torch.as_tensor takes them where torch has the dtypes
+    NUMPY_DTYPES = tuple(d for d in (np.bool_, np.float16, np.uint16, np.int8, np.complex64,
+                                     np.uint64)
+                         if HAS_WIDE_UNSIGNED or d not in (np.uint16, np.uint64))
 
     def __init__(self, n=N):
         self.n = n
