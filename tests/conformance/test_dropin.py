@@ -515,8 +515,8 @@ def test_unpicklable_worker_arguments_warn_from_torchs_module_as_torchs(ctx, ins
         return type(info.value), hints
 
     expected = [attempt(TorchDataLoader, f) for f in (False, True)]
-    # what torch does: its hint (torch 2.6 and later; none before), which a filter
-    # on its module silences
+    # what torch does: its hint where its code has one (2.13 does; 2.5 and older do
+    # not), which a filter on its module silences
     assert bool(expected[0][1]) == (torch_sites.pickle_hint is not None), expected
     assert not expected[1][1], expected
     if install:
