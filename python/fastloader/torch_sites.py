@@ -35,9 +35,16 @@ _CALLS = ("CALL", "CALL_FUNCTION", "CALL_METHOD", "CALL_KW", "CALL_FUNCTION_KW",
 _CALL_TEXT = "fn(*args, **kwargs"   # then padding, then ")"
 
 
-def _torch_code(owner, name):
-    """The code object of `owner.name` if it is torch's own (in torch's file)."""
-    code = getattr(vars(owner).get(name) if owner is not None else None, "__code__", None)
+def _torch_code(owner, name, unwrap=False):
+    """The code object of `owner.name` if it is torch's own (in torch's file); with
+    `unwrap`, of the function under any functools.wraps wrappers a library put on it."""
+    fn = vars(owner).get(name) if owner is not None else None
+    if unwrap and fn is not None:
+        try:
+            fn = inspect.unwrap(fn)
+        except ValueError:   # a cycle of __wrapped__
+            return None
+    code = getattr(fn, "__code__", None)
     return code if isinstance(code, types.CodeType) and code.co_filename == _FILE else None
 
 
@@ -88,8 +95,8 @@ def _site(code, name, func_name):
 
 # torch's, before install() replaces it
 _GET_ITERATOR = _torch_code(_torch_dataloader.DataLoader, "_get_iterator")
-_MP_ITER_INIT = _torch_code(getattr(_torch_dataloader, "_MultiProcessingDataLoaderIter", None),
-                            "__init__")
+_MP_ITER = getattr(_torch_dataloader, "_MultiProcessingDataLoaderIter", None)
+_MP_ITER_INIT = _torch_code(_MP_ITER, "__init__")
 
 # DataLoader._get_iterator: `self.check_worker_number_rationality()`
 check_worker_number = _site(_GET_ITERATOR, "check_worker_number_rationality", "_get_iterator")
@@ -103,18 +110,7 @@ base_iter_init = _site(_MP_ITER_INIT, "__init__", "__init__")
 # What the multiprocessing iterator's __init__ does differs between torch releases;
 # fastloader reads it from the installed torch's own code (its constants and the
 # names it uses), unwrapped where a library wrapped it before fastloader's import.
-def _own_code(owner, name):
-    fn = vars(owner).get(name) if owner is not None else None
-    try:
-        fn = inspect.unwrap(fn) if fn is not None else None
-    except ValueError:   # a cycle of __wrapped__
-        return None
-    code = getattr(fn, "__code__", None)
-    return code if isinstance(code, types.CodeType) and code.co_filename == _FILE else None
-
-
-_MP_ITER_INIT_OWN = _own_code(getattr(_torch_dataloader, "_MultiProcessingDataLoaderIter", None),
-                              "__init__")
+_MP_ITER_INIT_OWN = _torch_code(_MP_ITER, "__init__", unwrap=True)
 
 # The hint it warns with when a worker cannot be started because its arguments do
 # not pickle, where its code has one (2.13 does; 2.5 and older do not). Where its
