@@ -30,7 +30,7 @@ FIELDS = {
     "selftest": {"skipped", "method_timeout_s", "results"},
 }
 SEGMENT_FIELDS = {"name", "kind", "pid", "uid", "mine", "size_bytes", "used_bytes", "mtime",
-                  "inode", "stale", "reason"}
+                  "inode", "stale", "reason", "unjudged"}
 RESULT_FIELDS = {"method", "ok", "first_batch_s", "total_s", "error", "log"}
 
 
@@ -193,6 +193,61 @@ def test_stale_segments_found_and_only_they_cleaned(subprocess_env, tmp_path):
                 os.unlink(path)
             except FileNotFoundError:
                 pass
+
+
+# Run inside a new PID namespace (a "container") over its own small tmpfs on /dev/shm, as
+# a fresh interpreter: plants a torch-named segment whose pid that namespace does not
+# have (another container sharing /dev/shm could own it), then reports what the doctor
+# judges and whether `--clean`, without and with --shm-is-private, removes it.
+_CONTAINER_SCRIPT = r"""
+import json, os, subprocess, sys
+from fastloader import doctor
+name = "torch_54321_%s_0" % sys.argv[1]
+path = os.path.join("/dev/shm", name)
+fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+os.ftruncate(fd, 4096)
+os.close(fd)
+os.utime(path, (0, 0))   # written long ago: no clock slack can make it look recent
+assert not os.path.exists("/proc/54321")
+seg = {s["name"]: s for s in doctor.scan_segments()[0]}[name]
+def clean(*flags):
+    out = subprocess.run([sys.executable, "-W", "error", "-m", "fastloader", "doctor",
+                          "--json", "--no-selftest", "--clean", *flags],
+                         capture_output=True, text=True, check=True).stdout
+    report = json.loads(out)
+    return report["dev_shm"]["cleaned"]["removed"], [f["message"] for f in report["findings"]]
+removed_plain, findings = clean()
+there_after_plain = os.path.exists(path)
+removed_private, _ = clean("--shm-is-private")
+print(json.dumps({"seg": seg, "removed_plain": removed_plain, "findings": findings,
+                  "there_after_plain": there_after_plain, "removed_private": removed_private,
+                  "there_after_private": os.path.exists(path), "name": name}))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/usr/bin/unshare"),
+                    reason="needs root and unshare for a PID and mount namespace")
+def test_torch_segment_in_a_container_is_left_alone_unless_shm_is_private(subprocess_env):
+    """torch_<pid>_... names carry no PID namespace: in a container, a pid its /proc does
+    not show may be a live process of another container sharing /dev/shm, so `--clean`
+    must not remove the segment (it did: a sibling container's live tensor lost its
+    name). `--shm-is-private` says no one else uses this /dev/shm, and then it goes."""
+    tag = uuid.uuid4().hex[:10]
+    inner = (f"mount -t tmpfs -o size=4m,mode=1777 tmpfs /dev/shm && "
+             f"exec {sys.executable} -c '{_CONTAINER_SCRIPT}' {tag}")
+    result = subprocess.run(["unshare", "--mount", "--pid", "--fork", "--mount-proc",
+                             "sh", "-c", inner], env=subprocess_env, capture_output=True,
+                            text=True, timeout=300)
+    if result.returncode != 0 and "unshare" in result.stderr:
+        pytest.skip(f"cannot make namespaces here: {result.stderr.strip()}")
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    seg = out["seg"]
+    assert not seg["stale"] and seg["unjudged"], seg
+    assert "another container sharing /dev/shm may own it" in seg["reason"], seg
+    assert out["removed_plain"] == [] and out["there_after_plain"], out
+    assert any("--shm-is-private" in f for f in out["findings"]), out["findings"]
+    assert out["removed_private"] == [out["name"]] and not out["there_after_private"], out
 
 
 def test_reused_pid_makes_a_segment_stale():

@@ -32,7 +32,7 @@ from torch.utils.data import Dataset
 
 from . import sharing
 from .shm_sweep import owner_state, process_start_time  # noqa: F401  (part of the report API)
-from .shm_sweep import segment_namespace_state
+from .shm_sweep import segment_namespace_state, torch_name_state
 
 SHM_DIR = "/dev/shm"
 
@@ -209,9 +209,11 @@ def _segment_kind(name: str) -> tuple[str, int] | None:
     return ("torch", int(match.group(1))) if match else None
 
 
-def scan_segments(shm_dir: str = SHM_DIR) -> tuple[list, dict]:
+def scan_segments(shm_dir: str = SHM_DIR, shm_is_private: bool = False) -> tuple[list, dict]:
     """fastloader and torch segments in shm_dir, each judged stale or not, and the
-    count and bytes of every other file (what else fills /dev/shm)."""
+    count and bytes of every other file (what else fills /dev/shm). shm_is_private:
+    the user says no other PID namespace uses shm_dir, so torch's names, which carry
+    none, may be judged by our /proc even in a container."""
     segments, other = [], {"files": 0, "bytes": 0}
     euid = os.geteuid()
     for entry in os.scandir(shm_dir):
@@ -227,15 +229,19 @@ def scan_segments(shm_dir: str = SHM_DIR) -> tuple[list, dict]:
             other["bytes"] += st.st_blocks * 512
             continue
         alive, reason = owner_state(kind[1], st.st_mtime)
-        if kind[0] != "torch":
+        unjudged = False
+        if kind[0] == "torch":
+            ours, why = torch_name_state(shm_is_private)
+            unjudged = not ours and not alive   # stale, were it judged here
+        else:
             ours, why = segment_namespace_state(entry.name)
-            if not ours:
-                alive, reason = True, why   # its pid cannot be judged by our /proc
+        if not ours:
+            alive, reason = True, why   # its pid cannot be judged by our /proc
         segments.append({
             "name": entry.name, "kind": kind[0], "pid": kind[1], "uid": st.st_uid,
             "mine": st.st_uid == euid, "size_bytes": st.st_size,
             "used_bytes": st.st_blocks * 512, "mtime": st.st_mtime, "inode": st.st_ino,
-            "stale": not alive, "reason": reason,
+            "stale": not alive, "reason": reason, "unjudged": unjudged,
         })
     orphans = {os.path.join(shm_dir, s["name"]): s for s in segments if s["stale"]}
     if orphans:
@@ -247,7 +253,7 @@ def scan_segments(shm_dir: str = SHM_DIR) -> tuple[list, dict]:
     return segments, other
 
 
-def collect_dev_shm(shm_dir: str = SHM_DIR) -> dict:
+def collect_dev_shm(shm_dir: str = SHM_DIR, shm_is_private: bool = False) -> dict:
     info = {"path": shm_dir, "exists": os.path.isdir(shm_dir), "size_bytes": None,
             "free_bytes": None, "usable": False, "error": None, "segments": [],
             "other_files": 0, "other_bytes": 0, "cleaned": None}
@@ -259,7 +265,7 @@ def collect_dev_shm(shm_dir: str = SHM_DIR) -> dict:
         vfs = os.statvfs(shm_dir)
         info["size_bytes"] = vfs.f_blocks * vfs.f_frsize
         info["free_bytes"] = vfs.f_bavail * vfs.f_frsize
-        segments, other = scan_segments(shm_dir)
+        segments, other = scan_segments(shm_dir, shm_is_private)
     except OSError as exc:
         info["error"] = info["error"] or f"reading {shm_dir}: {exc}"
         return info
@@ -528,6 +534,15 @@ def assess(report: dict) -> list:
         findings.append(_finding(
             "warning", "dev_shm", f"{len(stale) - len(mine)} stale segment(s) belong to "
             "other users: only they (or root) can remove them"))
+    unjudged = [s for s in shm["segments"] if s.get("unjudged")]
+    if unjudged:
+        findings.append(_finding(
+            "warning", "dev_shm", f"{len(unjudged)} torch segment(s) hold "
+            f"{_human_bytes(sum(s['used_bytes'] for s in unjudged))} and name a process "
+            "this PID namespace does not have: in a container, another container sharing "
+            "/dev/shm may own them, so they are left alone. If this /dev/shm is this "
+            "container's own (docker's default), `python -m fastloader doctor --clean "
+            "--shm-is-private` removes those that are stale"))
     cleaned = shm.get("cleaned") or {}
     for failure in cleaned.get("failed", []):
         findings.append(_finding(
@@ -542,19 +557,19 @@ def assess(report: dict) -> list:
 
 # ---- report ----------------------------------------------------------------------------
 
-def collect(selftest: bool = True, clean: bool = False) -> dict:
+def collect(selftest: bool = True, clean: bool = False, shm_is_private: bool = False) -> dict:
     report = {
         "versions": collect_versions(),
         "cpus": collect_cpus(),
         "sharing": collect_sharing(),
-        "dev_shm": collect_dev_shm(),
+        "dev_shm": collect_dev_shm(shm_is_private=shm_is_private),
         "start_methods": collect_start_methods(),
         "selftest": {"skipped": not selftest, "method_timeout_s": SELFTEST_METHOD_TIMEOUT_S,
                      "results": []},
     }
     if clean and report["dev_shm"]["exists"]:
         cleaned = clean_stale(report["dev_shm"]["segments"])
-        report["dev_shm"] = collect_dev_shm()   # list what is left
+        report["dev_shm"] = collect_dev_shm(shm_is_private=shm_is_private)   # what is left
         report["dev_shm"]["cleaned"] = cleaned
     if selftest:
         report["selftest"]["results"] = run_selftest(report["start_methods"]["available"])
@@ -704,9 +719,13 @@ def main(argv: list | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--clean", action="store_true",
                         help="remove stale fastloader/torch segments you own from /dev/shm")
+    parser.add_argument("--shm-is-private", action="store_true",
+                        help="no other container uses this /dev/shm: judge torch_<pid> "
+                             "segments by this PID namespace's processes")
     parser.add_argument("--no-selftest", action="store_true",
                         help="skip starting workers with each start method")
     args = parser.parse_args(argv)
-    report = collect(selftest=not args.no_selftest, clean=args.clean)
+    report = collect(selftest=not args.no_selftest, clean=args.clean,
+                     shm_is_private=args.shm_is_private)
     print(json.dumps(report, indent=2) if args.json else render_text(report))
     return 1 if report["status"] == "error" else 0

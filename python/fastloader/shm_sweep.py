@@ -43,6 +43,27 @@ def segment_namespace_state(name: str) -> tuple[bool, str]:
     return True, "our PID namespace"
 
 
+# The kernel gives the initial PID namespace a fixed inode (PROC_PID_INIT_INO): only
+# there does /proc list every process on the machine, those of every container too.
+INITIAL_PID_NAMESPACE = f"{0xEFFFFFFC:08x}"
+
+
+def torch_name_state(shm_is_private: bool = False) -> tuple[bool, str]:
+    """(judged, why): whether the pid in a torch_<pid>_... name can be judged by our
+    /proc. torch's names carry no PID namespace, so in a container another container
+    sharing /dev/shm may have made one with a pid ours does not show (or shows as
+    another process), and the in-use check cannot see its processes either. They are
+    judged in the initial PID namespace, or where the user says that this /dev/shm is
+    used by this PID namespace alone (docker's default: each container its own)."""
+    if shm_is_private:
+        return True, "this /dev/shm is this PID namespace's own (--shm-is-private)"
+    if pid_namespace() == INITIAL_PID_NAMESPACE:
+        return True, "the initial PID namespace"
+    return False, ("torch's names carry no PID namespace and this process runs in a "
+                   "PID namespace of its own (a container): another container sharing "
+                   "/dev/shm may own it, left alone")
+
+
 
 
 @functools.lru_cache(maxsize=None)
