@@ -32,9 +32,11 @@ Sharing:
   once and bounds-checked before use, so a corrupt, hostile or concurrently
   changing file gives an exception (or stale items), never a read or write out of
   bounds. The one thing a reader cannot survive is a file cut short under its
-  mapping, so: do not truncate or rewrite a loaded file in place (a process
-  reading it would die of SIGBUS); replace it by renaming a new file over it, as
-  save() does.
+  mapping (SIGBUS). So a file another user could cut short (theirs, root's aside,
+  or writable by others or by a group other than our user private group) is
+  copied into a sealed segment at load (a read of the whole file) instead of
+  mapped; and for your own files: do not truncate or rewrite a loaded file in
+  place; replace it by renaming a new file over it, as save() does.
 * Nothing from a file is unpickled unless you ask for pickled records by name:
   ``PackedArray.load(path)`` (trusted files only: reading a record unpickles it,
   which can run any code). ``PackedStringArray.load`` and ``fastloader.packed.load``
@@ -415,9 +417,10 @@ class _PackedBase(_core.PackedView):
         checked now, every item when it is read. A file of pickled records is
         refused (only PackedArray.load reads those).
 
-        Do not truncate or rewrite a loaded file in place (a process
-        reading it would die of SIGBUS); replace it by renaming a
-        new file over it, as save() does.
+        Do not truncate or rewrite a loaded file of yours in place (a
+        process reading it would die of SIGBUS); replace it by renaming a
+        new file over it, as save() does. A file another user could change
+        is copied at load instead (see the module's docstring).
 
         populate=True maps every page now: slower to load, but workers then count
         the pages as shared rather than as their private memory."""
@@ -615,9 +618,10 @@ class PackedArray(_PackedBase):
         you do not trust: every record read is unpickled, and unpickling can run any
         code the file's author chose. (PackedStringArray.load never unpickles.)
 
-        Do not truncate or rewrite a loaded file in place (a process
-        reading it would die of SIGBUS); replace it by renaming a
-        new file over it, as save() does.
+        Do not truncate or rewrite a loaded file of yours in place (a
+        process reading it would die of SIGBUS); replace it by renaming a
+        new file over it, as save() does. A file another user could change
+        is copied at load instead (see the module's docstring).
 
         O(1): the header is checked now, every item when it is read. populate=True
         maps every page now (see PackedStringArray.load)."""
@@ -694,14 +698,21 @@ def _load(cls, path, sharing_strategy, populate):
     except BaseException:
         os.close(fd)
         raise
-    by_fd = sharing_strategy == "file_descriptor"
-    ident = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
-    try:
-        seg = _Segment("file", sharing_strategy, fd, st.st_size, path=os.path.abspath(path),
-                       ident=ident, populate=populate, keep_fd=by_fd)
-    except BaseException:
-        os.close(fd)
-        raise
+    if _others_can_shorten(st):
+        try:
+            seg = _copy_in(fd, st.st_size, sharing_strategy, path)
+        finally:
+            os.close(fd)
+    else:
+        by_fd = sharing_strategy == "file_descriptor"
+        ident = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+        try:
+            seg = _Segment("file", sharing_strategy, fd, st.st_size,
+                           path=os.path.abspath(path), ident=ident, populate=populate,
+                           keep_fd=by_fd)
+        except BaseException:
+            os.close(fd)
+            raise
     target = None if cls in (None, _PackedBase) else cls
     _refuse_kind(path, target, _header_kind(seg.mapping))
     try:
@@ -710,6 +721,52 @@ def _load(cls, path, sharing_strategy, populate):
         return _core.PackedView.__new__(target or PackedStringArray, seg, seg.mapping)
     except ValueError as exc:
         raise PackedFormatError(f"{path}: {exc}") from None
+
+
+def _others_can_shorten(st) -> bool:
+    """Whether another user could cut this file short while it is mapped: one who owns
+    it (root aside: root can do anything to this process anyway), or any, where others
+    may write it, or the members of its group, unless that group is our own user
+    private group (umask 002 makes every file of ours group-writable; a POSIX ACL's
+    grants show in the group bits). A mapped page past a file's new end kills its
+    reader with SIGBUS, which no check can prevent, so such a file is copied, not
+    mapped."""
+    if st.st_uid not in (os.geteuid(), 0) or st.st_mode & stat.S_IWOTH:
+        return True
+    return bool(st.st_mode & stat.S_IWGRP) and not _our_private_group(st.st_gid)
+
+
+def _our_private_group(gid: int) -> bool:
+    """Whether `gid` is our user's private group: named as we are, no other member."""
+    import grp
+    import pwd
+
+    try:
+        me = pwd.getpwuid(os.geteuid()).pw_name
+        group = grp.getgrgid(gid)
+    except (KeyError, OSError):
+        return False
+    return group.gr_name == me and all(member == me for member in group.gr_mem)
+
+
+def _copy_in(src: int, size: int, strategy: str, path: str) -> _Segment:
+    """A private, sealed copy of the file open at `src`, as a segment of `strategy`.
+    Read by the kernel (sendfile), not through a mapping: a file cut short meanwhile
+    gives a short read, reported, never a SIGBUS."""
+    kind, fd, name = _new_segment(strategy)
+    try:
+        _reserve(fd, size)
+        done = 0
+        while done < size:
+            sent = os.sendfile(fd, src, done, size - done)
+            if sent == 0:
+                raise PackedFormatError(f"{path}: truncated while it was loaded: "
+                                        f"{done} of {size} bytes")
+            done += sent
+        return _finish_segment(kind, fd, name, size, strategy)
+    except BaseException:
+        _discard(fd, name)
+        raise
 
 
 def _header_kind(mapping) -> int:
@@ -723,7 +780,9 @@ def load(path, *, sharing_strategy: str = _DEFAULT_STRATEGY, populate: bool = Fa
     PackedFormatError (reading one runs code chosen by its author): if you trust
     the file, use ``PackedArray.load(path)``.
 
-    Do not truncate or rewrite a loaded file in place (a process reading it would
-    die of SIGBUS); replace it by renaming a new file over it, as save() does.
+    Do not truncate or rewrite a loaded file of yours in place (a process reading it
+    would die of SIGBUS); replace it by renaming a new file over it, as save() does. A
+    file another user could change is copied at load instead (see the module's
+    docstring).
     """
     return _load(None, path, sharing_strategy, populate)

@@ -73,7 +73,9 @@ rounds = int(rounds)
 items = [f"item-{i:06d}-" + "x" * 40 for i in range(20000)]
 if how == "file":
     PackedStringArray(items).save(where)
+    os.chmod(where, 0o600)   # only we can write it: loaded by mapping, what is tested
     a = PackedStringArray.load(where)
+    assert a._storage.kind == "file", a._storage.kind
     target = where
 else:   # a named segment of this process
     a = PackedStringArray(items, sharing_strategy="file_system")
@@ -131,6 +133,85 @@ def test_serialisation_survives_a_concurrent_writer(tmp_path, subprocess_env, ho
     result = json.loads(out.strip().splitlines()[-1])
     assert sum(result["outcomes"].values()) == 4 * rounds
     assert result["flips"] > 0, "the writer never ran: the test proved nothing"
+
+
+# A loaded file cut short under its mapping kills the reader with SIGBUS, and no check
+# can prevent it: a file another user could cut short is copied at load instead. The
+# child cuts it short itself (a writer's identity does not matter to the kernel) and
+# reads the last item, as a training process would, in the main process and in a
+# worker. Before the fix: SIGBUS.
+SHORTENED = r"""
+import json, os, sys
+import torch
+from fastloader import DataLoader
+from fastloader.packed import PackedStringArray
+path, who, strategy = sys.argv[1:4]
+items = [f"name-{i:06d}" for i in range(200000)]
+PackedStringArray(items).save(path)
+if who == "group-writable":
+    os.chmod(path, 0o664)
+    os.chown(path, -1, 65534)   # a group we are not the only member of (nogroup)
+elif who == "world-writable":
+    os.chmod(path, 0o666)
+elif who == "another user's":
+    os.chown(path, 65534, 65534)
+a = PackedStringArray.load(path, sharing_strategy=strategy)
+kind = a._storage.kind
+os.truncate(path, 4096)
+last = a[len(a) - 1]
+from_worker = list(DataLoader(a[-3:], batch_size=None, num_workers=1))
+print(json.dumps({"kind": kind, "last": last, "from_worker": from_worker}))
+"""
+
+
+@pytest.mark.parametrize("strategy", ["file_descriptor", "file_system"])
+@pytest.mark.parametrize("who", ["world-writable", "group-writable", "another user's"])
+def test_a_file_another_user_can_cut_short_is_copied_not_mapped(tmp_path, subprocess_env,
+                                                                 who, strategy):
+    if who != "world-writable" and os.geteuid() != 0:
+        pytest.skip("chown to another user or group needs root")
+    out = run_child(SHORTENED, subprocess_env, tmp_path / "names.fpk", who, strategy)
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["kind"] == ("memfd" if strategy == "file_descriptor" else "shm"), result
+    assert result["last"] == "name-199999", result
+    assert result["from_worker"] == ["name-199997", "name-199998", "name-199999"], result
+
+
+def test_a_file_only_we_can_write_is_still_mapped(tmp_path):
+    """O(1) load stays for the common case: a file of ours, group-writable only by our
+    own user private group (umask 002) if at all."""
+    import grp
+    import pwd
+
+    path = tmp_path / "names.fpk"
+    PackedStringArray(["a", "bb"]).save(path)
+    os.chmod(path, 0o644)
+    assert PackedStringArray.load(path)._storage.kind == "file"
+    me = pwd.getpwuid(os.geteuid()).pw_name
+    try:
+        private = grp.getgrnam(me)
+    except KeyError:
+        private = None
+    if private is not None and set(private.gr_mem) <= {me}:
+        os.chown(path, -1, private.gr_gid)
+        os.chmod(path, 0o664)
+        assert PackedStringArray.load(path)._storage.kind == "file"
+
+
+def test_a_file_cut_short_while_it_is_copied_is_refused(tmp_path, monkeypatch):
+    """The copy reads with sendfile: a file shrinking meanwhile is a short read, an
+    error naming the file, and no segment is left behind."""
+    path = tmp_path / "names.fpk"
+    PackedStringArray([f"n{i}" for i in range(1000)]).save(path)
+    os.chmod(path, 0o666)
+    real = os.sendfile
+    monkeypatch.setattr(os, "sendfile", lambda out, src, offset, count:
+                        real(out, src, offset, min(count, 100)) if offset == 0 else 0)
+    before = {n for n in os.listdir("/dev/shm") if f"pack-{os.getpid()}-" in n}
+    with pytest.raises(PackedFormatError, match="truncated while it was loaded: 100 of"):
+        PackedStringArray.load(path, sharing_strategy="file_system")
+    after = {n for n in os.listdir("/dev/shm") if f"pack-{os.getpid()}-" in n}
+    assert after == before
 
 
 # ---- item 5: bounds arithmetic of huge views ----------------------------------------------------
