@@ -226,12 +226,16 @@ canonical_typenum(int t)
     return t;
 }
 
+/* Whether an ndarray travels as dtype number + shape + bytes. A dtype carrying
+ * metadata (h5py marks enums and variable-length strings so) would lose it there:
+ * such an array is pickled, as torch's transport does, which keeps it. */
 static int
 plain_array(PyArrayObject *a)
 {
     PyArray_Descr *d = PyArray_DESCR(a);
     return allowed_typenum(d->type_num) && PyArray_ISNBO(d->byteorder) &&
-           !PyDataType_HASFIELDS(d) && !PyDataType_HASSUBARRAY(d);
+           !PyDataType_HASFIELDS(d) && !PyDataType_HASSUBARRAY(d) &&
+           PyDataType_METADATA(d) == NULL;
 }
 
 /* shape + data of an array-like node; `arr` may be NULL for OP_FILL */

@@ -265,9 +265,12 @@ class _OutOfBandPickler(pickle.Pickler):
             raise BatchContainsItself("fastloader: the batch contains itself")
         # DeferredStack: a collated batch inside a container the codec does not
         # know (an OrderedDict, a custom Mapping) is still stacked into the slot.
+        # (an array as csrc/codec.c's plain_array() takes it: else it would come
+        # back here, to be pickled again)
         if type(obj) is DeferredStack or exportable(obj) or (
                 type(obj) is np.ndarray and obj.dtype.kind in "biufc"
-                and obj.dtype.isnative and obj.dtype.names is None):
+                and obj.dtype.isnative and obj.dtype.names is None
+                and obj.dtype.metadata is None):
             key = id(obj)
             if key not in self._seen:   # the same tensor twice stays one tensor
                 self._seen[key] = len(self._oob)

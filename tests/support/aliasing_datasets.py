@@ -210,6 +210,16 @@ class IndexDataset(Dataset):
         return i
 
 
+ENUM_METADATA = {"enum": {"cat": 0, "dog": 1}}   # what h5py.enum_dtype() puts there
+ENUM = np.dtype("u1", metadata=ENUM_METADATA)
+
+
+def enum_arrays_collate(indices):
+    """A batch of NumPy arrays whose dtype carries metadata, one of them twice."""
+    a = np.array([i % 2 for i in indices], dtype=ENUM)
+    return [a, np.array(indices, dtype=np.dtype("i8", metadata={"unit": "id"})), a[::-1]]
+
+
 def case_collate(indices):
     (i,) = indices
     return CASES[i](i)

@@ -414,6 +414,23 @@ def test_a_class_name_shared_by_samples_arrives_as_one_object_as_torchs(ctx):
     assert groups(fastloader.DataLoader) == expected
 
 
+@pytest.mark.parametrize("ctx", ["fork", "spawn"])
+def test_an_arrays_dtype_metadata_arrives_as_torchs(ctx):
+    """NumPy arrays kept as arrays by a custom collate, whose dtype carries metadata
+    (h5py's enum and variable-length string dtypes): torch's transport pickles them,
+    which keeps it; fastloader's lost it (values right, dtype.metadata None)."""
+    def batches(make):
+        loader = make(ad.IndexDataset(4), batch_size=2, num_workers=2,
+                      multiprocessing_context=ctx, collate_fn=ad.enum_arrays_collate)
+        with deadline(120):
+            return [[(a.dtype.str, a.dtype.metadata, a.tolist(), a.flags.writeable)
+                     for a in batch] for batch in loader]
+
+    expected = batches(torch.utils.data.DataLoader)
+    assert expected[0][0][1] == ad.ENUM_METADATA, expected   # what torch's transport gives
+    assert batches(fastloader.DataLoader) == expected
+
+
 @pytest.mark.parametrize("batch_size", [2, None], ids=["collated", "unbatched"])
 def test_empty_batch_tensors_can_be_resized_as_torchs(batch_size):
     """torch's transport gives a tensor of no bytes a plain storage (resize_ and out=

@@ -399,6 +399,27 @@ def test_numpy_scalars_and_arrays_arrive_with_the_types_pickle_gives(kind):
         assert np.array_equal(ours, theirs)
 
 
+def test_an_arrays_dtype_metadata_arrives_as_pickle_keeps_it():
+    """h5py marks enum and variable-length string dtypes with dtype metadata. torch's
+    queue pickles an array, which keeps it; the codec sent dtype number, shape and
+    bytes, and the metadata was lost (values right, dtype.metadata None)."""
+    enum = np.dtype("u1", metadata={"enum": {"cat": 0, "dog": 1}})
+    array = np.array([0, 1, 1, 0], dtype=enum)
+    for batch in (array, [array, array], {"every_other": array[::2]}, (np.zeros(2), array)):
+        theirs, ours = pickle.loads(pickle.dumps(batch)), _core.decode(_core.encode(batch))
+        flat_theirs = theirs if isinstance(theirs, (list, tuple)) else \
+            list(theirs.values()) if isinstance(theirs, dict) else [theirs]
+        flat_ours = ours if isinstance(ours, (list, tuple)) else \
+            list(ours.values()) if isinstance(ours, dict) else [ours]
+        assert type(ours) is type(theirs)
+        for a, b in zip(flat_ours, flat_theirs):
+            assert a.dtype == b.dtype and a.dtype.metadata == b.dtype.metadata, (a.dtype, b.dtype)
+            assert np.array_equal(a, b)
+        if isinstance(batch, list):
+            assert ours[0] is ours[1]   # one array twice stays one, as pickle's memo
+    assert _core.decode(_core.encode(array)).dtype.metadata == {"enum": {"cat": 0, "dog": 1}}
+
+
 def _claims(nbytes):
     """An array that claims `nbytes` bytes and uses one (a broadcast view)."""
     return np.broadcast_to(np.zeros(1, np.uint8), (nbytes,))
