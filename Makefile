@@ -6,7 +6,7 @@ VPY    := $(VENV)/bin/python
 DEPS   := $(VENV)/.deps-stamp
 CFLAGS_STRICT := FASTLOADER_WERROR=1
 
-.PHONY: all install test test-compat test-oldtorch bench bench-ffcv test-asan leakcheck clean
+.PHONY: all install test test-compat test-oldtorch test-torch bench bench-ffcv test-asan leakcheck clean
 
 all: test
 
@@ -80,6 +80,23 @@ test-oldtorch: install $(ODEPS)
 		assert c.__file__.startswith('$(CURDIR)/python/'), c.__file__; \
 		print('oldtorch venv: torch', torch.__version__, 'fastloader from', c.__file__)"
 	$(OVPY) -m pytest -q tests/conformance
+
+# Any other release in range, resolved by pip: `make test-torch TORCH=2.9.1` builds
+# .venv-torch-2.9.1 (PyPI's CUDA build of that torch, run on the CPU; 5-7 GB) and
+# runs the conformance directory on it as test-oldtorch does. Not in CI.
+TORCH ?=
+TVENV := .venv-torch-$(TORCH)
+test-torch: install
+	@test -n "$(TORCH)" || { echo "usage: make test-torch TORCH=<version>"; exit 2; }
+	test -x $(TVENV)/bin/python || $(PYTHON) -m venv $(TVENV)
+	$(TVENV)/bin/python -m pip install -q --disable-pip-version-check \
+		"torch==$(TORCH)" numpy psutil pytest
+	$(TVENV)/bin/python -c "import sysconfig; open(sysconfig.get_paths()['purelib'] \
+		+ '/fastloader-source.pth', 'w').write('$(CURDIR)/python\n')"
+	$(TVENV)/bin/python -c "import fastloader._core as c, torch; \
+		assert c.__file__.startswith('$(CURDIR)/python/'), c.__file__; \
+		print('torch', torch.__version__, 'fastloader from', c.__file__)"
+	$(TVENV)/bin/python -m pytest -q tests/conformance
 
 BENCH_DEPS := $(VENV)/.bench-deps-stamp
 # requirements-dev.txt rides along for its torch==2.13.0 pin: torchdata and SPDL must
