@@ -1,9 +1,11 @@
 """Imported only as the last module Python's forkserver preloads, when fastloader
-started that server with SIGINT ignored while the program itself did not ignore
-it (forkserver.py). The server's main() gives every process it forks the SIGINT
-handler it has once its preloads are imported: this gives it Python's default
-back first, so that the program's own forkserver processes take Ctrl-C as they
-would without fastloader. Nothing else imports it."""
-from .sigint import restore_default_in_forkserver
+started that server with SIGINT blocked (forkserver.py, sigint.py), so that a
+Ctrl-C cannot kill it half-way through importing torch. The server keeps it
+blocked (its main() then ignores SIGINT anyway); every process it forks unblocks
+it first thing, so that the program's own forkserver processes take Ctrl-C as
+they would without fastloader. Nothing else imports it."""
+import os
 
-restore_default_in_forkserver()
+from .sigint import unblock_sigint
+
+os.register_at_fork(after_in_child=unblock_sigint)

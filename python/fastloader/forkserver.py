@@ -18,11 +18,11 @@ and ``FASTLOADER_FORKSERVER_PRELOAD=0`` turns the whole thing off.
 from __future__ import annotations
 
 import os
-import signal
 from multiprocessing import forkserver as _mp_forkserver
+from multiprocessing import resource_tracker
 
 from .sharing import resolve_start_method
-from .sigint import children_ignore_sigint
+from .sigint import DeferredCtrlC
 
 PRELOAD_MODULE = "fastloader.worker"
 SIGINT_MODULE = "fastloader._forkserver_sigint"   # always the last preload
@@ -85,19 +85,22 @@ def ensure_running() -> None:
 
 def _start(preloading: bool) -> None:
     server = _server()
-    # Python's default SIGINT handler goes back into the server once its preloads
-    # are imported (for the program's own forkserver processes, see sigint.py),
-    # by a last preload: only where we start it ignoring SIGINT and the program
-    # itself does not ignore it (a background job's children ignore it as ever)
-    restore = preloading and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
+    # Started with SIGINT blocked (below), the server unblocks it in every process
+    # it forks, by a last preload (for the program's own forkserver processes,
+    # see sigint.py)
     modules = [m for m in (getattr(server, "_preload_modules", None) or [])
                if m != SIGINT_MODULE]
     if hasattr(server, "_preload_modules"):
-        server.set_forkserver_preload(modules + [SIGINT_MODULE] if restore else modules)
+        server.set_forkserver_preload(modules + [SIGINT_MODULE] if preloading else modules)
     if preloading:
-        # SIGINT ignored while it starts, as for workers (see sigint.py): a Ctrl-C
-        # must not kill the server half-way through importing torch
-        with children_ignore_sigint():
+        # SIGINT blocked while it starts, as for workers (see sigint.py): a Ctrl-C
+        # must not kill the server half-way through importing torch. The resource
+        # tracker first: starting it unblocks SIGINT in the calling thread
+        # (multiprocessing.resource_tracker), which would undo the block.
+        resource_tracker.ensure_running()
+        deferred = DeferredCtrlC()
+        with deferred:
             server.ensure_running()
+        deferred.deliver()
     else:
         server.ensure_running()   # as Python would start it

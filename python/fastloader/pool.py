@@ -20,7 +20,8 @@ import threading
 import time
 import warnings
 import weakref
-from multiprocessing import popen_fork, process as _mp_process, reduction, util as _mp_util
+from multiprocessing import popen_fork, process as _mp_process, reduction, resource_tracker
+from multiprocessing import util as _mp_util
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -29,7 +30,7 @@ from .fork_prep import prepare_for_fork
 from .distributed import rank_info
 from .packed import loader_strategy, starting_strategy
 from .protocol import TASK_SHUTDOWN
-from .sigint import children_ignore_sigint
+from .sigint import DeferredCtrlC
 from .warn_site import stacklevel_outside
 from .worker import worker_main
 from .worker_process import WorkerProcess
@@ -317,10 +318,19 @@ class WorkerPool:
             except BaseException as exc:   # re-raised below, in the caller's thread
                 errors[i] = exc
 
-        with children_ignore_sigint(), loader_strategy(self.strategy_name), \
+        if method != "fork":
+            # starting it unblocks SIGINT in the calling thread (see forkserver.py)
+            resource_tracker.ensure_running()
+        deferred = DeferredCtrlC()
+        with deferred, loader_strategy(self.strategy_name), \
                 _reaper_thread_is_fork_safe(method):
             self._start_procs(procs, start)
-        self._record_started(procs, errors, method)
+        try:
+            self._record_started(procs, errors, method)
+        finally:
+            # a Ctrl-C during the start only now: every started worker is the
+            # pool's to stop
+            deferred.deliver()
 
     @staticmethod
     def _start_procs(procs, start):

@@ -1,84 +1,84 @@
 """Ctrl-C while child processes start (workers, the forkserver).
 
-A child inherits the SIGINT disposition across fork and exec; started with SIGINT
-ignored, a Ctrl-C during its start-up cannot print tracebacks from half-imported
-modules: the main process handles Ctrl-C and stops the children. SIGINT is also
-blocked here meanwhile, so a Ctrl-C meant for the main process stays pending
-instead of being dropped. Used by pool.py (workers) and forkserver.py (the server).
+While children start, SIGINT is blocked in the starting thread (and in the threads
+it starts): a child inherits that mask, across exec too, so a Ctrl-C during its
+start-up stays pending in it, and it cannot print tracebacks from half-imported
+modules. A fastloader worker unblocks SIGINT once it has set its own handling
+(worker.worker_main, leave_ctrl_c_to_the_main_process); a forkserver that
+fastloader started unblocks it in every process it forks
+(_forkserver_sigint.py), so that the program's own forkserver processes take
+Ctrl-C as without fastloader.
 
-Python's forkserver is one per process and also forks the program's own
-processes, each with the SIGINT handler the server had once its preloads were
-imported: restore_default_in_forkserver(), run by the last of them
-(_forkserver_sigint.py), gives it Python's default back there, so those processes
-see Ctrl-C as without fastloader. fastloader's own workers leave Ctrl-C to the
-main process first thing (worker.worker_main, leave_ctrl_c_to_the_main_process);
-under forkserver, the server's children run the main
-module's imports before that, as torch's workers do."""
+In this process the SIGINT disposition is never set to ignore meanwhile: the
+kernel hands a process-wide signal to any thread that does not block it (every
+process that imported NumPy has one), and an ignored one would be dropped there.
+Instead a Ctrl-C is held (DeferredCtrlC) and delivered once the caller has
+recorded the children it started, so that none is left behind untracked.
+Under forkserver, the server's children run the main module's imports with
+Python's default handler, as torch's workers do. Used by pool.py and
+forkserver.py."""
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import sys
 import threading
 
-__all__ = ["children_ignore_sigint", "restore_default_in_forkserver",
-           "leave_ctrl_c_to_the_main_process", "ignore_while_exiting"]
+__all__ = ["DeferredCtrlC", "unblock_sigint", "leave_ctrl_c_to_the_main_process",
+           "ignore_while_exiting"]
 
 
-def _quiet_sigint():
-    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    old_handler = None
-    if threading.current_thread() is threading.main_thread():
-        current = signal.getsignal(signal.SIGINT)
-        if current is not None:   # None: a handler installed outside Python
-            old_handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    return old_mask, old_handler
+class DeferredCtrlC:
+    """`with deferred:` children started inside start with SIGINT blocked; a Ctrl-C
+    for this process meanwhile is held, and `deferred.deliver()` (after the block,
+    once the caller's bookkeeping is done) acts on it as the handler this process
+    had would have. Only the main thread can hold it (Python runs handlers there);
+    elsewhere only the mask is set, and the main thread gets Ctrl-C as ever."""
 
+    def __init__(self):
+        self._old_mask = None
+        self._old_handler = None
+        self._held = False
 
-def _restore_sigint(old_mask, old_handler):
-    if old_handler is not None:
-        signal.signal(signal.SIGINT, old_handler)
-    signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+    def _hold(self, signum, frame):
+        self._held = True
 
+    def __enter__(self):
+        self._held = False
+        self._old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        self._old_handler = None
+        if threading.current_thread() is threading.main_thread():
+            current = signal.getsignal(signal.SIGINT)
+            # SIG_IGN: nothing to hold (children ignore it too, as without us);
+            # None: a handler installed outside Python, not ours to replace
+            if current is not None and current is not signal.SIG_IGN:
+                self._old_handler = signal.signal(signal.SIGINT, self._hold)
+        return self
 
-@contextlib.contextmanager
-def children_ignore_sigint():
-    """Children started inside this block ignore SIGINT; a Ctrl-C that arrives
-    meanwhile is delivered to this process when the block ends."""
-    old_mask, old_handler = _quiet_sigint()
-    try:
-        yield
-    finally:
-        _restore_sigint(old_mask, old_handler)
-
-
-def _in_forkserver_preload() -> bool:
-    """Whether this runs inside Python's forkserver main(), preloading modules (not
-    in a child it forked, whose stack also starts in main(), then _serve_one())."""
-    forkserver = sys.modules.get("multiprocessing.forkserver")
-    codes = {name: getattr(getattr(forkserver, name, None), "__code__", None)
-             for name in ("main", "_serve_one")}
-    if codes["main"] is None:
+    def __exit__(self, *exc):
+        # Unblocking runs a pending handler at once (pthread_sigmask checks for
+        # signals): with _hold still in place, a Ctrl-C that waited is held too.
+        signal.pthread_sigmask(signal.SIG_SETMASK, self._old_mask)
+        if self._old_handler is not None:
+            signal.signal(signal.SIGINT, self._old_handler)
         return False
-    in_main, frame = False, sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is codes["_serve_one"]:
-            return False
-        in_main = in_main or frame.f_code is codes["main"]
-        frame = frame.f_back
-    return in_main
+
+    def deliver(self):
+        """Act on a held Ctrl-C as this process's handler would have: Python's
+        default raises KeyboardInterrupt here, a user's handler is called, SIG_DFL
+        ends the process."""
+        if not self._held:
+            return
+        self._held = False
+        handler = self._old_handler
+        if handler is signal.SIG_DFL:
+            signal.raise_signal(signal.SIGINT)
+        elif callable(handler):
+            handler(signal.SIGINT, sys._getframe(1))
 
 
-def restore_default_in_forkserver() -> None:
-    """In a forkserver that fastloader started with SIGINT ignored (so that a
-    Ctrl-C could not kill it half-way through importing torch), put Python's
-    default handler back before the server's main() saves it for every child it
-    forks. Run by the server's last preload (_forkserver_sigint.py)."""
-    if (threading.current_thread() is threading.main_thread()
-            and signal.getsignal(signal.SIGINT) == signal.SIG_IGN
-            and _in_forkserver_preload()):
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+def unblock_sigint() -> None:
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 _worker_pid = None

@@ -666,7 +666,7 @@ def test_the_iterable_length_warning_points_at_the_users_loop_as_torchs(asked, p
 
     expected = warned(TorchDataLoader)
     assert expected, expected
-    if tf.VERSION >= (2, 6):   # 2.5 and older warn from their own dataloader.py
+    if tf.ITERABLE_LENGTH_WARNING_AT_CALLER:   # 2.9 and older: from their own line
         assert {w[2] for w in expected} == {__file__}, expected   # torch's: this loop
     assert warned(DataLoader) == expected
 

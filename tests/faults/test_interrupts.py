@@ -151,6 +151,67 @@ def test_ctrl_c_while_blocked_raises_within_1s(ctx, subprocess_env):
     assert wait_until(lambda: all(is_gone(p) for p in pids), 2)
 
 
+_CTRL_C_AT_START_SCRIPT = """
+    import os, signal, sys, threading, time
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    import psutil
+    from fastloader import DataLoader
+    from tests.support.reliability_datasets import CtrlCWhenPickled
+
+    ctx = sys.argv[1]
+    # A thread that does not block SIGINT, as every program that imported NumPy has:
+    # the kernel may hand it a Ctrl-C meant for the process.
+    threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
+    dataset = CtrlCWhenPickled(8)
+    loader = DataLoader(dataset, batch_size=2, num_workers=1, multiprocessing_context=ctx)
+    assert len(list(loader)) == 4   # warm-up: the resource tracker and such start here
+    me = psutil.Process()
+    def ours(p):
+        try:
+            return "resource_tracker" not in " ".join(p.cmdline())
+        except psutil.Error:
+            return True
+    def wait_for_children():
+        end = time.monotonic() + 10
+        while time.monotonic() < end and [p for p in me.children() if ours(p)]:
+            time.sleep(0.05)
+        time.sleep(0.2)   # the reaper closes a pool's fds once its workers are reaped
+        return [(p.pid, p.status()) for p in me.children() if ours(p)]
+    wait_for_children()
+    fds = me.num_fds()
+    # the Ctrl-C lands while iter() starts the worker
+    if ctx == "fork":
+        os.register_at_fork(before=lambda: os.kill(os.getpid(), signal.SIGINT))
+    else:
+        dataset.armed = True
+    try:
+        it = iter(loader)
+        print("lost: the epoch went on,", len(list(it)), "batches", flush=True)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+    print("children", wait_for_children(), flush=True)
+    print("fds", me.num_fds() - fds, flush=True)
+"""
+
+
+@pytest.mark.parametrize("ctx", CONTEXTS)
+def test_ctrl_c_while_workers_start_is_raised_not_dropped(ctx, subprocess_env):
+    """SIGINT while iter() starts the workers, in a process with another thread that
+    does not block it: the start set SIGINT to ignored for the whole process, so the
+    kernel handed the signal to that thread, which dropped it, and the epoch went on.
+    Now it is held and raised once the started worker is the pool's: a
+    KeyboardInterrupt from iter(), the worker reaped, no fd left, nothing on stderr."""
+    with _script(_CTRL_C_AT_START_SCRIPT, subprocess_env, ctx) as proc:
+        with deadline(120, "the Ctrl-C-at-start script"):
+            out, err = proc.communicate()
+    assert proc.returncode == 0, (proc.returncode, out, err)
+    lines = out.splitlines()
+    assert lines[0] == "interrupted", out
+    assert lines[1] == "children []", out
+    assert lines[2] == "fds 0", out
+    assert err == "", f"output on stderr after Ctrl-C:\n{err}"
+
+
 @pytest.mark.parametrize("ctx", CONTEXTS + ("forkserver",))
 def test_programs_a_worker_starts_take_ctrl_c_as_under_torch(ctx):
     """A worker ignored SIGINT, and an ignored signal stays ignored across exec:

@@ -220,3 +220,24 @@ def slow_exit_init(seconds, worker_id, marker=None):
     from multiprocessing import util
 
     util.Finalize(None, _sleep_at_exit, args=(seconds, marker), exitpriority=0)
+
+
+class CtrlCWhenPickled(Dataset):
+    """Sends this process a SIGINT while it is pickled for a spawned worker, once
+    armed: a Ctrl-C that lands while the loader starts its workers."""
+
+    def __init__(self, n):
+        self.n = n
+        self.armed = False
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return i
+
+    def __getstate__(self):
+        if self.armed:
+            self.armed = False
+            os.kill(os.getpid(), signal.SIGINT)
+        return {"n": self.n, "armed": False}

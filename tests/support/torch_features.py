@@ -12,6 +12,7 @@ import inspect
 import pytest
 import torch
 from torch.utils.data import DataLoader
+from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 
@@ -20,6 +21,11 @@ HAS_IN_ORDER = "in_order" in inspect.signature(DataLoader.__init__).parameters
 HAS_ACCELERATOR_API = hasattr(torch, "accelerator")
 # torch 2.3: uint16/32/64 tensors, and so torch.as_tensor of NumPy arrays of them
 HAS_WIDE_UNSIGNED = hasattr(torch, "uint16")
+
+# Where torch's __next__ warns that an IterableDataset yielded more than its len():
+# at the caller's loop (stacklevel=2) in 2.13, at its own line in 2.9 and older
+ITERABLE_LENGTH_WARNING_AT_CALLER = "stacklevel=2" in inspect.getsource(
+    _BaseDataLoaderIter.__next__)
 
 needs_in_order = pytest.mark.skipif(
     not HAS_IN_ORDER, reason=f"torch {torch.__version__}'s DataLoader has no in_order (2.6)")
