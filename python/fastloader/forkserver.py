@@ -99,8 +99,10 @@ def _start(preloading: bool) -> None:
         # (multiprocessing.resource_tracker), which would undo the block.
         resource_tracker.ensure_running()
         deferred = DeferredCtrlC()
-        with deferred:
-            server.ensure_running()
-        deferred.deliver()
+        try:
+            with deferred:
+                server.ensure_running()
+        finally:
+            deferred.deliver()
     else:
         server.ensure_running()   # as Python would start it

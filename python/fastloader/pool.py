@@ -322,10 +322,10 @@ class WorkerPool:
             # starting it unblocks SIGINT in the calling thread (see forkserver.py)
             resource_tracker.ensure_running()
         deferred = DeferredCtrlC()
-        with deferred, loader_strategy(self.strategy_name), \
-                _reaper_thread_is_fork_safe(method):
-            self._start_procs(procs, start)
         try:
+            with deferred, loader_strategy(self.strategy_name), \
+                    _reaper_thread_is_fork_safe(method):
+                self._start_procs(procs, start)
             self._record_started(procs, errors, method)
         finally:
             # a Ctrl-C during the start only now: every started worker is the

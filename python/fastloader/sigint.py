@@ -58,9 +58,12 @@ class DeferredCtrlC:
     def __exit__(self, *exc):
         # Unblocking runs a pending handler at once (pthread_sigmask checks for
         # signals): with _hold still in place, a Ctrl-C that waited is held too.
-        signal.pthread_sigmask(signal.SIG_SETMASK, self._old_mask)
-        if self._old_handler is not None:
-            signal.signal(signal.SIGINT, self._old_handler)
+        # (Another signal's handler may raise there: the handler goes back anyway.)
+        try:
+            signal.pthread_sigmask(signal.SIG_SETMASK, self._old_mask)
+        finally:
+            if self._old_handler is not None:
+                signal.signal(signal.SIGINT, self._old_handler)
         return False
 
     def deliver(self):
