@@ -8,4 +8,14 @@ import os
 
 from .sigint import unblock_sigint
 
-os.register_at_fork(after_in_child=unblock_sigint)
+_SERVER = os.getpid()
+
+
+def _in_the_servers_child():
+    # at-fork hooks are inherited: a process forked by one of the server's children
+    # keeps whatever mask its parent chose
+    if os.getppid() == _SERVER:
+        unblock_sigint()
+
+
+os.register_at_fork(after_in_child=_in_the_servers_child)

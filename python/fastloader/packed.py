@@ -413,8 +413,8 @@ class _PackedBase(_core.PackedView):
 
     @classmethod
     def load(cls, path, *, sharing_strategy: str = _DEFAULT_STRATEGY, populate: bool = False):
-        """Memory-map a file of strings written by save(). O(1): the header is
-        checked now, every item when it is read. A file of pickled records is
+        """Memory-map a file of strings written by save(). O(1) (where it is
+        mapped, not copied): the header is checked now, every item when it is read. A file of pickled records is
         refused (only PackedArray.load reads those).
 
         Do not truncate or rewrite a loaded file of yours in place (a
@@ -623,8 +623,9 @@ class PackedArray(_PackedBase):
         new file over it, as save() does. A file another user could change
         is copied at load instead (see the module's docstring).
 
-        O(1): the header is checked now, every item when it is read. populate=True
-        maps every page now (see PackedStringArray.load)."""
+        O(1) where it is mapped: the header is checked now, every item when it is
+        read. populate=True maps every page now (see PackedStringArray.load); a
+        copy is populated anyway."""
         return _load(cls, path, sharing_strategy, populate)
 
     @classmethod
@@ -698,7 +699,7 @@ def _load(cls, path, sharing_strategy, populate):
     except BaseException:
         os.close(fd)
         raise
-    if _others_can_shorten(st):
+    if _others_can_shorten(fd, st):
         try:
             seg = _copy_in(fd, st.st_size, sharing_strategy, path)
         finally:
@@ -723,30 +724,43 @@ def _load(cls, path, sharing_strategy, populate):
         raise PackedFormatError(f"{path}: {exc}") from None
 
 
-def _others_can_shorten(st) -> bool:
+def _others_can_shorten(fd: int, st) -> bool:
     """Whether another user could cut this file short while it is mapped: one who owns
     it (root aside: root can do anything to this process anyway), or any, where others
-    may write it, or the members of its group, unless that group is our own user
-    private group (umask 002 makes every file of ours group-writable; a POSIX ACL's
-    grants show in the group bits). A mapped page past a file's new end kills its
-    reader with SIGBUS, which no check can prevent, so such a file is copied, not
-    mapped."""
+    may write it, or where the group bits allow writing, unless they are those of our
+    own user private group (umask 002 makes every file of ours group-writable) and no
+    POSIX ACL grants anyone else (its grants show in the group bits). A mapped page
+    past a file's new end kills its reader with SIGBUS, which no check can prevent,
+    so such a file is copied, not mapped."""
     if st.st_uid not in (os.geteuid(), 0) or st.st_mode & stat.S_IWOTH:
         return True
-    return bool(st.st_mode & stat.S_IWGRP) and not _our_private_group(st.st_gid)
+    if not st.st_mode & stat.S_IWGRP:
+        return False
+    return _has_acl(fd) or not _our_private_group(st.st_gid)
+
+
+def _has_acl(fd: int) -> bool:
+    try:
+        names = os.listxattr(fd)
+    except OSError:   # no extended attributes here: no ACL either
+        return False
+    return any(n in ("system.posix_acl_access", "system.nfs4_acl") for n in names)
 
 
 def _our_private_group(gid: int) -> bool:
-    """Whether `gid` is our user's private group: named as we are, no other member."""
+    """Whether `gid` is our user's private group: named as we are, no other member,
+    nobody else's primary group."""
     import grp
     import pwd
 
     try:
-        me = pwd.getpwuid(os.geteuid()).pw_name
+        me = pwd.getpwuid(os.geteuid())
         group = grp.getgrgid(gid)
     except (KeyError, OSError):
         return False
-    return group.gr_name == me and all(member == me for member in group.gr_mem)
+    if group.gr_name != me.pw_name or any(m != me.pw_name for m in group.gr_mem):
+        return False
+    return not any(u.pw_gid == gid and u.pw_uid != me.pw_uid for u in pwd.getpwall())
 
 
 def _copy_in(src: int, size: int, strategy: str, path: str) -> _Segment:
@@ -758,7 +772,14 @@ def _copy_in(src: int, size: int, strategy: str, path: str) -> _Segment:
         _reserve(fd, size)
         done = 0
         while done < size:
-            sent = os.sendfile(fd, src, done, size - done)
+            try:
+                sent = os.sendfile(fd, src, done, size - done)
+            except OSError as exc:
+                if exc.errno not in (errno.EINVAL, errno.ENOSYS):
+                    raise
+                # a file system that cannot splice: read and write instead
+                chunk = os.pread(src, min(size - done, 1 << 24), done)
+                sent = os.write(fd, chunk) if chunk else 0
             if sent == 0:
                 raise PackedFormatError(f"{path}: truncated while it was loaded: "
                                         f"{done} of {size} bytes")

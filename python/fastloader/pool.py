@@ -326,7 +326,7 @@ class WorkerPool:
             with deferred, loader_strategy(self.strategy_name), \
                     _reaper_thread_is_fork_safe(method):
                 self._start_procs(procs, start)
-            self._record_started(procs, errors, method)
+                self._record_started(procs, errors, method)
         finally:
             # a Ctrl-C during the start only now: every started worker is the
             # pool's to stop

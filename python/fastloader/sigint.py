@@ -45,14 +45,22 @@ class DeferredCtrlC:
 
     def __enter__(self):
         self._held = False
-        self._old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        self._old_mask = None
         self._old_handler = None
         if threading.current_thread() is threading.main_thread():
             current = signal.getsignal(signal.SIGINT)
             # SIG_IGN: nothing to hold (children ignore it too, as without us);
             # None: a handler installed outside Python, not ours to replace
             if current is not None and current is not signal.SIG_IGN:
+                # first: pthread_sigmask runs pending handlers once it changed the
+                # mask, and a Ctrl-C raised there would leave SIGINT blocked
                 self._old_handler = signal.signal(signal.SIGINT, self._hold)
+        try:
+            self._old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, ())   # read only
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        except BaseException:   # another signal's handler raised: put all back
+            self.__exit__()
+            raise
         return self
 
     def __exit__(self, *exc):
@@ -60,7 +68,8 @@ class DeferredCtrlC:
         # signals): with _hold still in place, a Ctrl-C that waited is held too.
         # (Another signal's handler may raise there: the handler goes back anyway.)
         try:
-            signal.pthread_sigmask(signal.SIG_SETMASK, self._old_mask)
+            if self._old_mask is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, self._old_mask)
         finally:
             if self._old_handler is not None:
                 signal.signal(signal.SIGINT, self._old_handler)

@@ -6,6 +6,7 @@ Every wait runs under `deadline` (SIGALRM) or a subprocess timeout, and
 faulthandler_timeout (pyproject) dumps stacks if all else fails.
 """
 import gc
+import json
 import os
 import re
 import signal
@@ -172,13 +173,25 @@ _CTRL_C_AT_START_SCRIPT = """
         except psutil.Error:
             return True
     def wait_for_children():
-        end = time.monotonic() + 10
+        end = time.monotonic() + 30
         while time.monotonic() < end and [p for p in me.children() if ours(p)]:
             time.sleep(0.05)
-        time.sleep(0.2)   # the reaper closes a pool's fds once its workers are reaped
         return [(p.pid, p.status()) for p in me.children() if ours(p)]
+    def fds_after(baseline):
+        # the reaper closes a pool's fds once its workers are reaped: give it time
+        end = time.monotonic() + 30
+        while me.num_fds() > baseline and time.monotonic() < end:
+            time.sleep(0.05)
+        return me.num_fds() - baseline
+    def settled_fds():
+        last, since, end = me.num_fds(), time.monotonic(), time.monotonic() + 30
+        while time.monotonic() < end and time.monotonic() - since < 1.0:
+            time.sleep(0.05)
+            if me.num_fds() != last:
+                last, since = me.num_fds(), time.monotonic()
+        return last
     wait_for_children()
-    fds = me.num_fds()
+    fds = settled_fds()
     # the Ctrl-C lands while iter() starts the worker
     if ctx == "fork":
         os.register_at_fork(before=lambda: os.kill(os.getpid(), signal.SIGINT))
@@ -190,7 +203,7 @@ _CTRL_C_AT_START_SCRIPT = """
     except KeyboardInterrupt:
         print("interrupted", flush=True)
     print("children", wait_for_children(), flush=True)
-    print("fds", me.num_fds() - fds, flush=True)
+    print("fds", fds_after(fds), flush=True)
 """
 
 
@@ -208,8 +221,64 @@ def test_ctrl_c_while_workers_start_is_raised_not_dropped(ctx, subprocess_env):
     lines = out.splitlines()
     assert lines[0] == "interrupted", out
     assert lines[1] == "children []", out
-    assert lines[2] == "fds 0", out
+    assert lines[2].startswith("fds ") and int(lines[2].split()[1]) <= 0, out
     assert err == "", f"output on stderr after Ctrl-C:\n{err}"
+
+
+_ENTER_RACE_SCRIPT = """
+    import json, os, signal, threading, time
+    from fastloader.sigint import DeferredCtrlC
+
+    armed = False
+    def handler(signum, frame):
+        if armed:   # only around the block: not in the loop's own bookkeeping
+            raise KeyboardInterrupt
+    signal.signal(signal.SIGINT, handler)
+    stop = threading.Event()
+    def ctrl_c_all_the_time():
+        while not stop.is_set():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.0001)
+    threading.Thread(target=ctrl_c_all_the_time, daemon=True).start()
+    counts = {"entered": 0, "interrupted": 0, "left_blocked": 0, "left_replaced": 0}
+    end = time.monotonic() + 3
+    while time.monotonic() < end:
+        deferred = DeferredCtrlC()
+        try:
+            armed = True
+            try:
+                with deferred:
+                    counts["entered"] += 1
+            finally:
+                deferred.deliver()
+            armed = False
+        except KeyboardInterrupt:
+            armed = False
+            counts["interrupted"] += 1
+            if signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, ()):
+                counts["left_blocked"] += 1
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+            if signal.getsignal(signal.SIGINT) is not handler:
+                counts["left_replaced"] += 1
+                signal.signal(signal.SIGINT, handler)
+    stop.set()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    print(json.dumps(counts), flush=True)
+"""
+
+
+def test_a_ctrl_c_around_the_start_block_never_leaves_sigint_blocked(subprocess_env):
+    """A Ctrl-C pending as the block began was raised by pthread_sigmask once it had
+    blocked SIGINT and before the block could restore anything: the main thread kept
+    SIGINT blocked for good, and every child it started after inherited that. Now
+    the holding handler is in place first, and a failed entry puts all back."""
+    with _script(_ENTER_RACE_SCRIPT, subprocess_env) as proc:
+        with deadline(120, "the enter-race script"):
+            out, err = proc.communicate()
+    assert proc.returncode == 0, (proc.returncode, out, err)
+    counts = json.loads(out.strip().splitlines()[-1])
+    assert counts["entered"] > 1000 and counts["interrupted"] > 0, counts
+    assert counts["left_blocked"] == 0 and counts["left_replaced"] == 0, counts
 
 
 @pytest.mark.parametrize("ctx", CONTEXTS + ("forkserver",))

@@ -198,6 +198,41 @@ def test_a_file_only_we_can_write_is_still_mapped(tmp_path):
         assert PackedStringArray.load(path)._storage.kind == "file"
 
 
+def _grant_write_by_acl(path, uid):
+    """`setfacl -m u:<uid>:rw path`, written as the kernel's xattr (setfacl may be
+    missing): owner rw, that user rw, group r, mask rw, others r."""
+    import struct
+
+    anyone = 0xFFFFFFFF
+    entries = [(0x01, 6, anyone), (0x02, 6, uid), (0x04, 4, anyone), (0x10, 6, anyone),
+               (0x20, 4, anyone)]
+    os.setxattr(path, "system.posix_acl_access",
+                struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *e) for e in entries))
+
+
+def test_a_file_an_acl_lets_another_user_write_is_copied(tmp_path, subprocess_env):
+    """An ACL's grants show only in the group bits: a file of ours, group = our user
+    private group, with `setfacl -m u:nobody:rw` was mapped, and nobody's truncation
+    killed the reader with SIGBUS."""
+    path = tmp_path / "names.fpk"
+    PackedStringArray([f"name-{i:06d}" for i in range(50000)]).save(path)
+    os.chmod(path, 0o644)
+    try:
+        _grant_write_by_acl(path, 65534)
+    except OSError as exc:
+        pytest.skip(f"no POSIX ACLs here: {exc}")
+    assert os.stat(path).st_mode & 0o020   # the ACL's mask, in the group bits
+    out = run_child(r"""
+        import os, sys
+        from fastloader.packed import PackedStringArray
+        a = PackedStringArray.load(sys.argv[1])
+        kind = a._storage.kind
+        os.truncate(sys.argv[1], 4096)   # what nobody may now do
+        print(kind, a[len(a) - 1])
+        """, subprocess_env, path)
+    assert out.split() == ["memfd", "name-049999"], out
+
+
 def test_a_file_cut_short_while_it_is_copied_is_refused(tmp_path, monkeypatch):
     """The copy reads with sendfile: a file shrinking meanwhile is a short read, an
     error naming the file, and no segment is left behind."""
