@@ -105,13 +105,20 @@ def test_preload_can_be_turned_off():
     assert out["batches"] == 10
 
 
+@pytest.mark.parametrize("tracker_first", [False, True], ids=["", "tracker_running"])
 @pytest.mark.parametrize("preload", ["1", "0"])
-def test_the_programs_own_forkserver_processes_take_ctrl_c_as_without_fastloader(preload):
+def test_the_programs_own_forkserver_processes_take_ctrl_c_as_without_fastloader(
+        preload, tracker_first):
     """The forkserver is Python's one per process: after a loader ran through it,
     a process the program itself starts through it takes SIGINT with Python's
     default handler (KeyboardInterrupt), as it would without fastloader. It used to
-    inherit the SIGINT fastloader starts the server ignoring."""
-    out = _run("""
+    inherit the SIGINT fastloader starts the server ignoring; and where
+    multiprocessing's resource tracker already ran (whose start unblocked SIGINT
+    by chance otherwise), with SIGINT blocked: a Ctrl-C did nothing there."""
+    out = _run(("""
+        from multiprocessing import resource_tracker
+        resource_tracker.ensure_running()
+""" if tracker_first else "") + """
         from tests.support.sigint_probe import report_sigint
         ctx = multiprocessing.get_context("forkserver")
         loader = fastloader.DataLoader(TensorLabelDataset(40), batch_size=4, num_workers=2,
