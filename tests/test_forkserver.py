@@ -199,6 +199,22 @@ def test_no_server_for_other_loaders(kwargs):
     assert out["method"] is None, "building a loader must not fix the default start method"
 
 
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_building_a_loader_that_starts_a_server_leaves_the_start_method_unset(method):
+    """Starting the server read multiprocessing's preparation data, which fixes the
+    process-wide start method: after building a forkserver loader, a program's own
+    multiprocessing.set_start_method() raised "context has already been set" (not
+    with torch's DataLoader, which fixes it only when an iterator starts workers)."""
+    out = _run(f"""
+        loader = fastloader.DataLoader(TensorLabelDataset(8), batch_size=4, num_workers=2,
+                                       multiprocessing_context={method!r})
+        unset = multiprocessing.get_start_method(allow_none=True) is None
+        multiprocessing.set_start_method("spawn")
+        print(json.dumps({{"unset": unset, "batches": compare(loader)}}))
+    """)
+    assert out == {"unset": True, "batches": 2}
+
+
 def test_a_server_already_running_is_used_as_it_is():
     out = _run("""
         multiprocessing.forkserver.ensure_running()

@@ -1,9 +1,9 @@
-"""Imported only as the last module Python's forkserver preloads, when fastloader
-started that server with SIGINT blocked (forkserver.py, sigint.py), so that a
-Ctrl-C cannot kill it half-way through importing torch. The server keeps it
-blocked (its main() then ignores SIGINT anyway); every process it forks unblocks
-it first thing, so that the program's own forkserver processes take Ctrl-C as
-they would without fastloader. Nothing else imports it."""
+"""Imported only as the last module a forkserver preloads when fastloader started
+it with SIGINT blocked (Python's, forkserver.py, or spawn_server.py's own; see
+sigint.py), so that a Ctrl-C cannot kill it half-way through importing torch.
+The server keeps it blocked (its main() then ignores SIGINT anyway); every
+process it forks unblocks it first thing, so that the program's own forkserver
+processes take Ctrl-C as they would without fastloader. Nothing else imports it."""
 import os
 
 from .sigint import unblock_sigint

@@ -7,7 +7,7 @@ from typing import TypeVar
 
 from torch.utils.data import DataLoader as _TorchDataLoader
 
-from . import forkserver
+from . import forkserver, spawn_server
 from . import resume as _resume
 from . import sampler_generators
 from . import torch_sites
@@ -50,8 +50,9 @@ class DataLoader(_TorchDataLoader[T_co]):
         super().__init__(*args, **kwargs)
         self.sharing_strategy = sharing_strategy
         self.snapshot_every_n_steps = snapshot_every_n_steps
-        # under 'forkserver', start the server now, with torch preloaded
+        # under 'forkserver' or 'spawn', start a server now, with torch preloaded
         forkserver.warm_up(self.multiprocessing_context, self.num_workers)
+        spawn_server.warm_up(self.multiprocessing_context, self.num_workers)
 
     def __setattr__(self, attr, val):
         if attr == "sharing_strategy":

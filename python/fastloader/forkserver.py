@@ -17,7 +17,9 @@ and ``FASTLOADER_FORKSERVER_PRELOAD=0`` turns the whole thing off.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+from multiprocessing import context as _mp_context
 from multiprocessing import forkserver as _mp_forkserver
 from multiprocessing import resource_tracker
 
@@ -70,7 +72,7 @@ def warm_up(context, num_workers: int) -> None:
     except (ValueError, AttributeError):
         return   # an odd context object: leave everything to iteration time
     if method == "forkserver" and add_preload():
-        _start(preloading=True)
+        start_server(_server(), preloading=True)
 
 
 def ensure_running() -> None:
@@ -80,11 +82,12 @@ def ensure_running() -> None:
     pass on to every process it forks."""
     server = _server()
     if server is not None:
-        _start(preloading=add_preload())
+        start_server(server, preloading=add_preload())
 
 
-def _start(preloading: bool) -> None:
-    server = _server()
+def start_server(server, preloading: bool) -> None:
+    """Start a multiprocessing ForkServer (Python's, or spawn_server.py's own) unless
+    it runs; preloading: its preload list holds fastloader's worker module."""
     # Started with SIGINT blocked (below), the server unblocks it in every process
     # it forks, by a last preload (for the program's own forkserver processes,
     # see sigint.py)
@@ -92,17 +95,35 @@ def _start(preloading: bool) -> None:
                if m != SIGINT_MODULE]
     if hasattr(server, "_preload_modules"):
         server.set_forkserver_preload(modules + [SIGINT_MODULE] if preloading else modules)
-    if preloading:
-        # SIGINT blocked while it starts, as for workers (see sigint.py): a Ctrl-C
-        # must not kill the server half-way through importing torch. The resource
-        # tracker first: starting it unblocks SIGINT in the calling thread
-        # (multiprocessing.resource_tracker), which would undo the block.
-        resource_tracker.ensure_running()
-        deferred = DeferredCtrlC()
-        try:
-            with deferred:
-                server.ensure_running()
-        finally:
-            deferred.deliver()
-    else:
-        server.ensure_running()   # as Python would start it
+    with _start_method_left_unfixed():
+        _start_blocking_sigint(server) if preloading else server.ensure_running()
+
+
+@contextlib.contextmanager
+def _start_method_left_unfixed():
+    # With a preload list, starting a server reads multiprocessing's preparation
+    # data, which fixes the process-wide start method; torch fixes it only when its
+    # first iterator starts, and building a loader must not (a later
+    # multiprocessing.set_start_method() would raise): undo exactly that.
+    default = _mp_context._default_context
+    unset = getattr(default, "_actual_context", True) is None
+    try:
+        yield
+    finally:
+        if unset and getattr(default, "_actual_context", None) is getattr(
+                default, "_default_context", False):
+            default._actual_context = None
+
+
+def _start_blocking_sigint(server) -> None:
+    # SIGINT blocked while it starts, as for workers (see sigint.py): a Ctrl-C
+    # must not kill the server half-way through importing torch. The resource
+    # tracker first: starting it unblocks SIGINT in the calling thread
+    # (multiprocessing.resource_tracker), which would undo the block.
+    resource_tracker.ensure_running()
+    deferred = DeferredCtrlC()
+    try:
+        with deferred:
+            server.ensure_running()
+    finally:
+        deferred.deliver()

@@ -2,7 +2,8 @@
 
 Processes are started through the loader's multiprocessing context ('fork',
 'spawn', 'forkserver' or a context object), so every start method torch supports
-works. Each worker's channel fds cross to the child with multiprocessing's own fd
+works ('spawn' workers are forks of a clean server: spawn_server.py). Each
+worker's channel fds cross to the child with multiprocessing's own fd
 passing (inherited under fork, passed under spawn/forkserver). Liveness is watched
 from C through a pidfd per worker; this module turns a death into a clear error."""
 from __future__ import annotations
@@ -25,7 +26,7 @@ from multiprocessing import util as _mp_util
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from . import _core, forkserver, payload, reaper, sharing, shm_sweep, torch_sites
+from . import _core, forkserver, payload, reaper, sharing, shm_sweep, spawn_server, torch_sites
 from .fork_prep import prepare_for_fork
 from .distributed import rank_info
 from .packed import loader_strategy, starting_strategy
@@ -261,6 +262,14 @@ class WorkerPool:
 
     def _start_all(self, context, specs, strategy, rings):
         method = context.get_start_method()
+        if method == "spawn" and spawn_server.serves(context):
+            # forks of a clean interpreter that has imported torch (spawn_server.py)
+            with spawn_server.launching(context) as served:
+                self._start_all_of(served, method, specs, strategy, rings)
+        else:
+            self._start_all_of(context, method, specs, strategy, rings)
+
+    def _start_all_of(self, context, method, specs, strategy, rings):
         if method == "forkserver":
             forkserver.ensure_running()   # in case the loader did not start it already
         if method == "fork":

@@ -982,7 +982,7 @@ def test_multiprocessing_context_starts_workers_that_way(method, form):
     def scenario(DL):
         token = uuid.uuid4().hex
         cds.START_MARKER = token
-        dataset = cds.StartMethodDataset(token, os.getpid())
+        dataset = cds.StartMethodDataset(token)
         if form is None:
             value = None
         elif form in ("string", "setter"):

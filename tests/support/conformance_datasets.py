@@ -214,26 +214,25 @@ class ProcessEnvDataset(Dataset):
 
 class StartMethodDataset(Dataset):
     """Tells how its worker was started: a forked worker sees the main process's
-    START_MARKER, a spawned one is our child but re-imported this module, and a
-    forkserver one is the forkserver's child; and which Process class started it."""
+    START_MARKER; a spawned or forkserver one does not, and its Process class set
+    the start method it was started with (a spawned worker's parent is not told:
+    fastloader forks it from a clean server, see spawn_server.py); and which
+    Process class started it."""
 
-    def __init__(self, token, main_pid, n=2):
+    def __init__(self, token, n=2):
         self.token = token
-        self.main_pid = main_pid
         self.n = n
 
     def __len__(self):
         return self.n
 
     def __getitem__(self, index):
-        inherited = START_MARKER == self.token
-        our_child = os.getppid() == self.main_pid
-        if inherited:
+        if START_MARKER == self.token:
             method = "fork"
-        elif our_child:
-            method = "spawn"
         else:
-            method = "forkserver"
+            # multiprocessing's bootstrap fixes it from the class: 'spawn' for a
+            # SpawnProcess, 'forkserver' for a ForkServerProcess
+            method = multiprocessing.get_start_method(allow_none=True)
         # the worker's Process class shows in its name ("Process-3" from the
         # default context, "SpawnProcess-3" from a spawn context...; the number
         # counts every process started before, so it is left out)

@@ -1,0 +1,313 @@
+"""Spawn workers without paying torch's import every epoch.
+
+Under 'spawn' each worker is a fresh interpreter, and before its first sample it
+imports torch: about a second on a quiet box, every epoch unless the workers are
+persistent (torch's DataLoader pays it each time). fastloader keeps, per process,
+one clean interpreter that has imported only torch and fastloader's worker module
+(never the main module, nothing of this process's state): a private
+multiprocessing forkserver. Each 'spawn' worker is a fork of it, and then goes on
+as a spawned one does: multiprocessing's spawn preparation runs in it (sys.path,
+cwd, argv, process name, authkey, the main module imported again as __mp_main__),
+then the worker. A worker's second costs milliseconds.
+
+A fresh interpreter takes the process's state at the moment it starts; the server
+took it when it started. So a server serves only while what a spawned child would
+inherit is unchanged (see _start_state: environment, stdio, executable, user and
+groups, umask, CPU affinity, nice value, file limit, ignored and blocked signals);
+otherwise a new server starts, which costs what spawning cost. NumPy's global
+random state, the one state a fork would share and a fresh interpreter draws anew,
+is reseeded from the OS in each worker (_spawn_server_child.py).
+
+What stays different from spawn, as documented in the README: os.getppid() in a
+worker is the server's pid, torch is imported before the main module is imported
+again, and the workers share the server's str hash seed. FASTLOADER_SPAWN_SERVER=0
+turns all of this off: plain spawn.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import resource
+import select
+import signal
+import threading
+from multiprocessing import context as _mp_context
+from multiprocessing import forkserver as _mp_forkserver
+from multiprocessing import popen_forkserver, reduction, spawn, util
+from multiprocessing import process as _mp_process
+
+from . import forkserver
+from .sharing import default_start_method
+
+__all__ = ["enabled", "serves", "launching", "warm_up", "server_pid"]
+
+_ENV = "FASTLOADER_SPAWN_SERVER"
+CHILD_MODULE = "fastloader._spawn_server_child"
+
+
+class _State:
+    """This process's server. One owner: every read and change is under `lock`,
+    which a pool holds from choosing the server until its workers have started, so
+    that no server is retired while a launch is using it."""
+
+    lock = threading.RLock()
+    server = None          # a multiprocessing ForkServer, or None
+    start_state = None     # _start_state() when it started
+    owner_pid = None       # the process that started it (a forked child must not use it)
+    launching_with = None  # the server the current launch connects to
+    retired: list = []     # pids of servers given up, to be reaped
+
+
+def enabled() -> bool:
+    return os.environ.get(_ENV, "1") != "0"
+
+
+def serves(context) -> bool:
+    """Whether workers of this multiprocessing context (a context object, or a
+    module such as torch.multiprocessing standing for the default one) are started
+    from the server: spawn, with the standard library's own process class; a
+    context of another kind may start its processes its own way, and is left to it."""
+    if not enabled():
+        return False
+    try:
+        method = context.get_start_method()
+    except (AttributeError, ValueError):
+        return False
+    return method == "spawn" and getattr(context, "Process", None) in _SERVED
+
+
+def server_pid():
+    with _State.lock:
+        server = _State.server if _State.owner_pid == os.getpid() else None
+        return getattr(server, "_forkserver_pid", None)
+
+
+def warm_up(context, num_workers: int) -> None:
+    """Called when a loader is built: if its workers will come from the server,
+    start the server now, so that importing torch overlaps whatever the script does
+    before its first batch."""
+    if num_workers <= 0 or not enabled():
+        return
+    if context is None:
+        # the default context (iterator.py), read without fixing the process-wide
+        # start method, which torch fixes only when the first iterator starts
+        method, process_class = default_start_method(), _mp_context.Process
+    else:
+        try:
+            if isinstance(context, str):
+                context = _mp_context._default_context.get_context(context)
+            method, process_class = context.get_start_method(), context.Process
+        except (AttributeError, ValueError):
+            return   # an odd context: the loader deals with it at iteration
+    if method == "spawn" and process_class in _SERVED:
+        with _State.lock:
+            _current_server()
+
+
+@contextlib.contextmanager
+def launching(context):
+    """`with launching(context) as served:` processes made with served.Process()
+    inside start as forks of a server that matches this process's start state, each
+    of the class context.Process would have made (its name, "SpawnProcess-3" or
+    "Process-3", shows in the worker). Only for a context that serves() accepts."""
+    with _State.lock:
+        _State.launching_with = _current_server()
+        try:
+            yield _ServedContext(_SERVED[context.Process])
+        finally:
+            _State.launching_with = None
+
+
+def _current_server():
+    _reap_retired()
+    state = _start_state()
+    if _State.owner_pid != os.getpid():
+        _State.server = None   # the parent's, inherited by fork (see _forget_in_child)
+    elif _State.server is not None and _State.start_state != state:
+        _retire(_State.server)
+        _State.server = None
+    if _State.server is None:
+        server = _mp_forkserver.ForkServer()
+        server.set_forkserver_preload([forkserver.PRELOAD_MODULE, CHILD_MODULE])
+        _State.server, _State.start_state, _State.owner_pid = server, state, os.getpid()
+    # started (or started again, if it died) with SIGINT blocked, as workers are
+    forkserver.start_server(_State.server, preloading=True)
+    return _State.server
+
+
+def _retire(server) -> None:
+    # Closing our end of its "alive" pipe lets it exit once its last worker has
+    # (each worker holds a copy): it reports their exit codes until then.
+    pid, fd = server._forkserver_pid, server._forkserver_alive_fd
+    server._forkserver_pid = server._forkserver_alive_fd = None
+    if fd is not None:
+        os.close(fd)
+    if pid is not None:
+        _State.retired.append(pid)
+
+
+def _reap_retired() -> None:
+    for pid in list(_State.retired):
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            done = pid
+        if done:
+            _State.retired.remove(pid)
+
+
+def _forget_in_child() -> None:
+    # A forked child inherits the parent's server object and a copy of its alive
+    # fd; the server is not the child's to wait for, and the copy would keep it
+    # alive as long as the child lives.
+    server = _State.server
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    _State.server = _State.start_state = _State.owner_pid = None
+    _State.launching_with = None
+    _State.retired = []
+    _State.lock = threading.RLock()
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def _stdio_identity(fd: int):
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _umask():
+    # read, not set: os.umask() would change it for every thread meanwhile
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Umask:"):
+                    return line.split()[1]
+    except OSError:
+        pass
+    return None
+
+
+def _ignored_signals():
+    ignored = []
+    for sig in signal.valid_signals():
+        try:
+            if signal.getsignal(sig) is signal.SIG_IGN:
+                ignored.append(int(sig))
+        except (ValueError, OSError):
+            pass
+    return tuple(ignored)
+
+
+def _start_state() -> tuple:
+    """What a spawned child takes from this process when it starts, and a fork of
+    the server took from it when the server started."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, ())
+    return (
+        spawn.get_executable(),
+        tuple(sorted(os.environ.items())),
+        tuple(_stdio_identity(fd) for fd in (0, 1, 2)),
+        os.geteuid(), os.getegid(), tuple(sorted(os.getgroups())),
+        _umask(),
+        tuple(sorted(os.sched_getaffinity(0))),
+        os.getpriority(os.PRIO_PROCESS, 0),
+        resource.getrlimit(resource.RLIMIT_NOFILE),
+        _ignored_signals(),
+        # SIGINT is blocked by fastloader itself while workers start (sigint.py)
+        tuple(sorted(int(s) for s in blocked if s != signal.SIGINT)),
+    )
+
+
+class _Popen(popen_forkserver.Popen):
+    """multiprocessing's forkserver Popen, connecting to this module's server
+    instead of the process-wide one."""
+
+    def _launch(self, process_obj):
+        server = _State.launching_with
+        if server is None:
+            raise RuntimeError("a spawn-server process is started only inside "
+                               "spawn_server.launching()")
+        buf = io.BytesIO()
+        _mp_context.set_spawning_popen(self)
+        try:
+            reduction.dump(spawn.get_preparation_data(process_obj._name), buf)
+            reduction.dump(process_obj, buf)
+        finally:
+            _mp_context.set_spawning_popen(None)
+        try:
+            self._send(server, buf.getbuffer())
+        except (EOFError, OSError):
+            # The server died (the OOM killer's favourite: it is big and idle) and
+            # its pid was not yet reapable when it was checked: start it again, once.
+            if not _has_died(server):
+                raise
+            if self.finalizer is not None:
+                self.finalizer()
+                self.finalizer = None
+            forkserver.start_server(server, preloading=True)
+            self._send(server, buf.getbuffer())
+
+    def _send(self, server, data):
+        self.sentinel, w = server.connect_to_new_process(self._fds)
+        # the child learns of our death by EOF on a copy of the data pipe
+        parent_w = os.dup(w)
+        self.finalizer = util.Finalize(self, util.close_fds, (parent_w, self.sentinel))
+        with open(w, "wb", closefd=True) as f:
+            f.write(data)
+        self.pid = _mp_forkserver.read_signed(self.sentinel)
+
+
+def _has_died(server, timeout: float = 10.0) -> bool:
+    """Whether the server's process is dead or dies within `timeout` (it may be
+    dying), without reaping it: ensure_running() reaps it and starts a new one."""
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is None:
+        return True
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    except OSError:   # no pidfds (Linux < 5.3): it is not known to have died
+        return False
+    try:
+        return bool(select.select([fd], [], [], timeout)[0])   # readable once it exits
+    finally:
+        os.close(fd)
+
+
+class _ServedSpawnProcess(_mp_context.SpawnProcess):
+    _Popen = staticmethod(_Popen)
+    # it was forked: the server's finalizers are not this process's to run, and
+    # multiprocessing's after-fork hooks run, as in any forked process
+    _after_fork = staticmethod(_mp_process.BaseProcess._after_fork)
+
+
+class _ServedProcess(_mp_context.Process):
+    _Popen = staticmethod(_Popen)
+    _after_fork = staticmethod(_mp_process.BaseProcess._after_fork)
+
+
+# Named as the classes they stand for (BaseProcess names a process after its
+# class); pickled by their qualified names, which are this module's.
+_ServedSpawnProcess.__name__ = "SpawnProcess"
+_ServedProcess.__name__ = "Process"
+_SERVED = {_mp_context.SpawnProcess: _ServedSpawnProcess,
+           _mp_context.Process: _ServedProcess}
+
+
+class _ServedContext:
+    """What pool.py needs of a context: Process() and get_start_method()."""
+
+    def __init__(self, process_class):
+        self.Process = process_class
+
+    @staticmethod
+    def get_start_method(allow_none=False):
+        return "spawn"
