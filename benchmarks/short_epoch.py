@@ -76,7 +76,8 @@ def _build(name, method):
 
 def _wait_gone(pids, timeout=10.0):
     """Untimed: until these workers are gone and reaped (by the loader that
-    started them: never here), so that their CPU time is in RUSAGE_CHILDREN."""
+    started them, or the server that forked them: never here), so that their CPU
+    time is counted (_reaped_workers_cpu_s)."""
     end = time.monotonic() + timeout
     for pid in pids:
         while time.monotonic() < end:
@@ -90,6 +91,21 @@ def _wait_gone(pids, timeout=10.0):
 def _cpu_s(who):
     usage = resource.getrusage(who)
     return usage.ru_utime + usage.ru_stime
+
+
+def _reaped_workers_cpu_s():
+    """CPU of every reaped worker so far: our children's, and the children's of the
+    servers that fork fastloader's workers under spawn and forkserver (theirs to
+    reap, so not in our RUSAGE_CHILDREN)."""
+    from fastloader import forkserver, spawn_server
+    total = _cpu_s(resource.RUSAGE_CHILDREN)
+    for pid in {spawn_server.server_pid(), forkserver.server_pid()} - {None}:
+        try:
+            times = psutil.Process(pid).cpu_times()
+        except psutil.Error:
+            continue
+        total += times.children_user + times.children_system
+    return total
 
 
 def _pids(it):
@@ -146,14 +162,14 @@ def measure(methods, repeats, chain, step_prefix=""):
                 for name in order:
                     gc.collect()
                     main0 = _cpu_s(resource.RUSAGE_SELF)
-                    workers0 = _cpu_s(resource.RUSAGE_CHILDREN)
+                    workers0 = _reaped_workers_cpu_s()
                     got, pids = time_epoch(loaders[name])
                     main1 = _cpu_s(resource.RUSAGE_SELF)
                     _wait_gone(pids)
                     # CPU of the epoch, whatever else the box runs: the main process
                     # until the loop was free again, and the workers' whole lives
                     got["main_cpu"] = main1 - main0
-                    got["workers_cpu"] = _cpu_s(resource.RUSAGE_CHILDREN) - workers0
+                    got["workers_cpu"] = _reaped_workers_cpu_s() - workers0
                     for p in PARTS:
                         parts[name][p].append(got[p])
                     if name == "fastloader":

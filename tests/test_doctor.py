@@ -15,6 +15,7 @@ import torch
 import fastloader
 from fastloader import doctor
 from fastloader.dataloader import _DEFAULT_STRATEGY
+from tests.support.helpers import unused_pid
 
 SHM = "/dev/shm"
 # Every field a machine reading `--json` may rely on, section by section.
@@ -45,16 +46,6 @@ def run_doctor_json(env, *args):
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stderr == "", result.stderr
     return json.loads(result.stdout)
-
-
-def dead_pid():
-    """A pid no process has now (searched from the top, where pids are handed out last)."""
-    with open("/proc/sys/kernel/pid_max") as f:
-        pid_max = int(f.read())
-    for pid in range(pid_max - 1, 300, -1):
-        if not os.path.exists(f"/proc/{pid}"):
-            return pid
-    raise RuntimeError("no free pid")
 
 
 def plant(name):
@@ -128,7 +119,7 @@ def test_unknown_command_is_a_usage_error(capsys):
 def test_stale_segments_found_and_only_they_cleaned(subprocess_env, tmp_path):
     """Planted segments: detection judged in this process, `--clean` run in a fresh one
     (which must still see that this process maps one of them)."""
-    dead = dead_pid()
+    dead = unused_pid()
     # concurrent runs on one machine must not collide; our PID namespace comes first
     tag = fastloader.shm_sweep.pid_namespace() + uuid.uuid4().hex[:10]
     stale = f"fastloader-{dead}-{tag}-w0-s0"
@@ -257,7 +248,7 @@ def test_reused_pid_makes_a_segment_stale():
     assert doctor.owner_state(os.getpid(), time.time())[0]
     alive, why = doctor.owner_state(os.getpid(), started - 3600)
     assert not alive and "started after" in why
-    alive, why = doctor.owner_state(dead_pid(), time.time())
+    alive, why = doctor.owner_state(unused_pid(), time.time())
     assert not alive and "no longer exists" in why
 
 

@@ -1,7 +1,8 @@
-"""'spawn' workers are forks of one clean server that has imported torch
-(spawn_server.py), and behave as spawned ones: checked against torch's DataLoader
-under spawn, in a fresh interpreter per case that runs a script file, so that the
-main module is imported again in every worker as spawn does."""
+"""With FASTLOADER_SPAWN_SERVER=1, 'spawn' workers are forks of one clean server
+that has imported torch (spawn_server.py), and behave as spawned ones: checked
+against torch's DataLoader under spawn, in a fresh interpreter per case that runs
+a script file, so that the main module is imported again in every worker as spawn
+does. Without it (the default) workers are spawned."""
 import json
 import os
 import subprocess
@@ -18,7 +19,7 @@ import json, os, sys, time
 MARKS = os.environ["SPAWN_TEST_MARKS"]
 with open(MARKS, "a") as f:
     f.write(json.dumps([os.getpid(), __name__]) + "\\n")
-import multiprocessing, signal
+import atexit, multiprocessing, resource, signal, tempfile
 import numpy as np
 import torch
 import fastloader
@@ -33,10 +34,24 @@ class Probe(torch.utils.data.Dataset):
         info = torch.utils.data.get_worker_info()
         return {"pid": os.getpid(), "ppid": os.getppid(), "i": i,
                 "env": os.environ.get("SPAWN_TEST_VAR", ""),
+                "put": os.environ.get("SPAWN_TEST_PUT", ""),
+                "core": resource.getrlimit(resource.RLIMIT_CORE)[0],
+                "pgrp": os.getpgrp(),
                 "draw": int(np.random.randint(0, 2**62)),
                 "name": multiprocessing.current_process().name.rsplit("-", 1)[0],
                 "method": multiprocessing.get_start_method(allow_none=True),
                 "worker": info.id}
+
+class LeavesTidying(Probe):
+    # registers exit-time work in the worker, as libraries do (a temporary
+    # directory, an atexit handler); a spawned worker's interpreter does it at exit
+    def __getitem__(self, i):
+        d = tempfile.TemporaryDirectory(dir=os.environ["SPAWN_TEST_DIR"])
+        open(os.path.join(d.name, "f"), "w").close()
+        LeavesTidying.keep = getattr(LeavesTidying, "keep", []) + [d]
+        mark = os.path.join(os.environ["SPAWN_TEST_DIR"], f"atexit-{os.getpid()}")
+        atexit.register(lambda: open(mark, "w").close())
+        return super().__getitem__(i)
 
 class Says(Probe):
     # writes to fd 2, wherever the process's stderr is when the worker starts
@@ -67,10 +82,12 @@ def _run(tmp_path, body, env_extra=None):
     marks = tmp_path / "marks.jsonl"
     script.write_text(_TOP + "\nif __name__ == '__main__':\n"
                       + textwrap.indent(textwrap.dedent(body), "    "))
-    env = dict(os.environ, **(env_extra or {}))
+    env = dict(os.environ, FASTLOADER_SPAWN_SERVER="1")
+    env.update(env_extra or {})
     env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "python")]
                                         + [p for p in sys.path if p])
     env["SPAWN_TEST_MARKS"] = str(marks)
+    env["SPAWN_TEST_DIR"] = str(tmp_path)
     env.pop("PYTHONWARNINGS", None)
     done = subprocess.run([sys.executable, str(script)], cwd=str(tmp_path), env=env,
                           capture_output=True, text=True, timeout=300)
@@ -181,11 +198,28 @@ def test_a_change_to_what_a_spawned_child_inherits_starts_a_new_server(tmp_path)
                                            multiprocessing_context="spawn"))
         os.dup2(saved, 2)
         third = spawn_server.server_pid()
+        # libc's environment behind os.environ's back, a resource limit, the process group
+        os.putenv("SPAWN_TEST_PUT", "put")
+        put = epoch(loader)
+        soft, hard = resource.getrlimit(resource.RLIMIT_CORE)
+        new_core = 0 if soft != 0 else (1 << 20 if hard == resource.RLIM_INFINITY
+                                        else min(hard, 1 << 20))
+        assert new_core != soft, "cannot change RLIMIT_CORE here"
+        resource.setrlimit(resource.RLIMIT_CORE, (new_core, hard))
+        core = epoch(loader)
+        os.setpgrp()
+        group = epoch(loader)
+        unchanged = epoch(loader)
         with open(log) as f:
             lines = f.read().splitlines()
         zombies = [c.pid for c in psutil.Process().children()
                    if c.status() == psutil.STATUS_ZOMBIE]
         print(json.dumps({"servers": [first, same, second, third],
+                          "later": [ppids(b) for b in (put, core, group, unchanged)],
+                          "put": sorted({v for b in put for v in b["put"]}),
+                          "core": sorted({v for b in core for v in b["core"]}),
+                          "pgrp": sorted({v for b in group for v in b["pgrp"]}),
+                          "my_pgrp": os.getpgrp(), "new_core": new_core,
                           "env_before": [e for b in before for e in b["env"]],
                           "env_after": [e for b in after_env for e in b["env"]],
                           "said": sorted(line for line in lines if " says " in line),
@@ -201,6 +235,11 @@ def test_a_change_to_what_a_spawned_child_inherits_starts_a_new_server(tmp_path)
         out["said_pids"])
     # the first server exited once its workers had, and was reaped at the next start
     assert not out["first_alive"] and first not in out["zombies"]
+    # each later change its own server; no change, the same one
+    later = [p[0] for p in out["later"]]
+    assert all(len(p) == 1 for p in out["later"]), out["later"]
+    assert len(set(later[:3]) | {third}) == 4 and later[3] == later[2]
+    assert out["put"] == ["put"] and out["core"] == [out["new_core"]] and out["pgrp"] == [out["my_pgrp"]]
 
 
 def test_a_killed_server_is_started_again(tmp_path):
@@ -257,14 +296,39 @@ def test_a_forked_child_starts_its_own_server_not_its_parents(tmp_path):
     assert out["parent_ppid"] == [out["parent_server"]] == [out["parent_server_after"]]
 
 
-def test_turned_off_workers_are_spawned(tmp_path):
+def test_exit_handlers_run_in_workers_as_in_spawned_ones(tmp_path):
+    """The forkserver ends its children with os._exit(); a spawned worker's
+    interpreter runs atexit handlers and weakref finalizers (a TemporaryDirectory
+    removes itself) as it exits. Both, for fastloader's workers and torch's."""
+    out, _ = _run(tmp_path, """
+        got = {}
+        for name, cls in (("fastloader", fastloader.DataLoader),
+                          ("torch", torch.utils.data.DataLoader)):
+            batches = epoch(cls(LeavesTidying(), batch_size=2, num_workers=2,
+                                multiprocessing_context="spawn"))
+            workers = pids(batches)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not all(
+                    os.path.exists(f"atexit-{p}") for p in workers):
+                time.sleep(0.05)
+            got[name] = {"atexit": [os.path.exists(f"atexit-{p}") for p in workers],
+                         "left": sorted(d for d in os.listdir(".") if d.startswith("tmp"))}
+        got["served"] = spawn_server.server_pid() is not None
+        print(json.dumps(got))
+    """)
+    assert out["served"]
+    for name in ("fastloader", "torch"):
+        assert out[name] == {"atexit": [True, True], "left": []}, (name, out[name])
+
+
+def test_off_by_default_workers_are_spawned(tmp_path):
     out, _ = _run(tmp_path, """
         loader = fastloader.DataLoader(Probe(), batch_size=2, num_workers=2,
                                        multiprocessing_context="spawn")
         got = epoch(loader)
         print(json.dumps({"server": spawn_server.server_pid(), "ppid": ppids(got),
                           "main": os.getpid()}))
-    """, {"FASTLOADER_SPAWN_SERVER": "0"})
+    """, {"FASTLOADER_SPAWN_SERVER": ""})
     assert out["server"] is None and out["ppid"] == [out["main"]]
 
 

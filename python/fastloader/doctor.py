@@ -59,11 +59,11 @@ _START_METHOD_PITFALLS = {
             "CUDA is initialised in the parent ('Cannot re-initialize CUDA in forked "
             "subprocess'): create loaders before touching CUDA, or use spawn/forkserver. "
             "Forking while other threads hold locks can deadlock (Python >= 3.12 warns).",
-    "spawn": "each worker starts as a fresh interpreter would and re-imports your main "
-             "module: guard it with `if __name__ == '__main__':`; dataset, collate_fn and "
-             "worker_init_fn must be picklable. fastloader forks workers from a clean "
-             "server that holds torch (FASTLOADER_SPAWN_SERVER=0: plain spawn), so only "
-             "the first epoch, or one after an environment change, waits for torch's import.",
+    "spawn": "each worker starts a fresh interpreter and re-imports your main module: guard "
+             "it with `if __name__ == '__main__':`; dataset, collate_fn and worker_init_fn "
+             "must be picklable and are pickled into every worker, and every worker of every "
+             "epoch imports torch (FASTLOADER_SPAWN_SERVER=1 forks them from a clean server "
+             "that holds torch instead: see the README's 'What differs').",
     "forkserver": "workers fork from a clean server process (Python 3.14's default on "
                   "Linux): CUDA-safe, same picklability rules as spawn; the first loader "
                   "pays for starting the server.",

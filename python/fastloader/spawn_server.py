@@ -1,31 +1,39 @@
-"""Spawn workers without paying torch's import every epoch.
+"""Spawn workers without paying torch's import every epoch (opt-in:
+FASTLOADER_SPAWN_SERVER=1).
 
 Under 'spawn' each worker is a fresh interpreter, and before its first sample it
 imports torch: about a second on a quiet box, every epoch unless the workers are
-persistent (torch's DataLoader pays it each time). fastloader keeps, per process,
-one clean interpreter that has imported only torch and fastloader's worker module
-(never the main module, nothing of this process's state): a private
+persistent (torch's DataLoader pays it each time). With this on, fastloader keeps
+per process one clean interpreter that has imported only torch and fastloader's
+worker module (never the main module, nothing of this process's state): a private
 multiprocessing forkserver. Each 'spawn' worker is a fork of it, and then goes on
 as a spawned one does: multiprocessing's spawn preparation runs in it (sys.path,
 cwd, argv, process name, authkey, the main module imported again as __mp_main__),
-then the worker. A worker's second costs milliseconds.
+then the worker, then its atexit handlers. A worker's start costs milliseconds.
 
 A fresh interpreter takes the process's state at the moment it starts; the server
 took it when it started. So a server serves only while what a spawned child would
-inherit is unchanged (see _start_state: environment, stdio, executable, user and
-groups, umask, CPU affinity, nice value, file limit, ignored and blocked signals);
-otherwise a new server starts, which costs what spawning cost. NumPy's global
-random state, the one state a fork would share and a fresh interpreter draws anew,
-is reseeded from the OS in each worker (_spawn_server_child.py).
+inherit is unchanged (_start_state: libc's environment, stdio,
+executable, user and groups, process group and session, umask, CPU affinity, nice
+value, resource limits, ignored and blocked signals); otherwise a new server
+starts, which costs what spawning cost. NumPy's global random state, which a fork
+would share and a fresh interpreter draws anew, is reseeded from the OS in each
+worker (_spawn_server_child.py).
 
-What stays different from spawn, as documented in the README: os.getppid() in a
-worker is the server's pid, torch is imported before the main module is imported
-again, and the workers share the server's str hash seed. FASTLOADER_SPAWN_SERVER=0
-turns all of this off: plain spawn.
+What stays different from spawn, and why it is not the default (README, "What
+differs"): os.getppid() in a worker is the server; torch is imported before the
+main module is imported again, by the server, from the path a fresh `python -c`
+has (Python's forkserver ignores the sys.path it is handed), so a torch or NumPy
+that only the script's own sys.path changes would find is not the one workers
+use; the workers share the server's str hash seed; state the list above does not
+name (cgroup, NUMA policy, capabilities) is the server's; and a Ctrl-C while the
+first epoch's workers start waits until the server has imported torch.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
+import ctypes
 import io
 import os
 import resource
@@ -60,7 +68,8 @@ class _State:
 
 
 def enabled() -> bool:
-    return os.environ.get(_ENV, "1") != "0"
+    # opt-in: see the module's docstring for what differs from spawn
+    return os.environ.get(_ENV, "0") == "1"
 
 
 def serves(context) -> bool:
@@ -100,9 +109,13 @@ def warm_up(context, num_workers: int) -> None:
             method, process_class = context.get_start_method(), context.Process
         except (AttributeError, ValueError):
             return   # an odd context: the loader deals with it at iteration
-    if method == "spawn" and process_class in _SERVED:
-        with _State.lock:
+    # never blocks: another thread starting workers holds the lock, and will
+    # have started a server by the time this loader's first iter() asks
+    if method == "spawn" and process_class in _SERVED and _State.lock.acquire(blocking=False):
+        try:
             _current_server()
+        finally:
+            _State.lock.release()
 
 
 @contextlib.contextmanager
@@ -206,19 +219,39 @@ def _ignored_signals():
     return tuple(ignored)
 
 
+def _c_environ():
+    # what exec passes on is libc's environ, which os.putenv() and C libraries'
+    # setenv() change without os.environ knowing
+    try:
+        entries = ctypes.POINTER(ctypes.c_char_p).in_dll(ctypes.CDLL(None), "environ")
+    except (OSError, ValueError, AttributeError):
+        return tuple(sorted(os.environb.items()))
+    out = []
+    i = 0
+    while entries[i] is not None:
+        out.append(entries[i])
+        i += 1
+    return tuple(sorted(out))
+
+
+_RLIMITS = tuple(getattr(resource, name) for name in dir(resource)
+                 if name.startswith("RLIMIT_"))
+
+
 def _start_state() -> tuple:
     """What a spawned child takes from this process when it starts, and a fork of
     the server took from it when the server started."""
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, ())
     return (
         spawn.get_executable(),
-        tuple(sorted(os.environ.items())),
+        _c_environ(),
         tuple(_stdio_identity(fd) for fd in (0, 1, 2)),
         os.geteuid(), os.getegid(), tuple(sorted(os.getgroups())),
+        os.getpgrp(), os.getsid(0),
         _umask(),
         tuple(sorted(os.sched_getaffinity(0))),
         os.getpriority(os.PRIO_PROCESS, 0),
-        resource.getrlimit(resource.RLIMIT_NOFILE),
+        tuple(resource.getrlimit(r) for r in _RLIMITS),
         _ignored_signals(),
         # SIGINT is blocked by fastloader itself while workers start (sigint.py)
         tuple(sorted(int(s) for s in blocked if s != signal.SIGINT)),
@@ -282,16 +315,30 @@ def _has_died(server, timeout: float = 10.0) -> bool:
         os.close(fd)
 
 
-class _ServedSpawnProcess(_mp_context.SpawnProcess):
+class _Served:
+    """What a served process does differently from the class it stands for."""
+
     _Popen = staticmethod(_Popen)
     # it was forked: the server's finalizers are not this process's to run, and
     # multiprocessing's after-fork hooks run, as in any forked process
     _after_fork = staticmethod(_mp_process.BaseProcess._after_fork)
 
+    def _bootstrap(self, parent_sentinel=None):
+        code = super()._bootstrap(parent_sentinel)
+        # The forkserver ends its children with os._exit(); a spawned child's
+        # interpreter runs its atexit handlers (weakref.finalize, TemporaryDirectory,
+        # logging.shutdown, a profiler's dump) as it exits: run them here. (CPython
+        # clears the list as it runs it: a server that runs them too runs none twice.)
+        atexit._run_exitfuncs()
+        return code
 
-class _ServedProcess(_mp_context.Process):
-    _Popen = staticmethod(_Popen)
-    _after_fork = staticmethod(_mp_process.BaseProcess._after_fork)
+
+class _ServedSpawnProcess(_Served, _mp_context.SpawnProcess):
+    pass
+
+
+class _ServedProcess(_Served, _mp_context.Process):
+    pass
 
 
 # Named as the classes they stand for (BaseProcess names a process after its

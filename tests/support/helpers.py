@@ -190,6 +190,22 @@ def collect(loader, seconds=60, what="loader"):
 
 # ---- processes, fds, mappings, /dev/shm -------------------------------------------
 
+def unused_pid():
+    """A pid no process has now, and the last one the kernel would hand out: pids
+    are given upwards from the last one given, wrapping at pid_max, so the free pid
+    just below it is reached last (one near pid_max may be the very next, once the
+    counter is near the top after many processes)."""
+    with open("/proc/sys/kernel/pid_max") as f:
+        pid_max = int(f.read())
+    with open("/proc/sys/kernel/ns_last_pid") as f:
+        last = int(f.read())
+    for back in range(1, pid_max):
+        pid = (last - back) % pid_max
+        if pid > 300 and not os.path.exists(f"/proc/{pid}"):
+            return pid
+    raise RuntimeError("no free pid")
+
+
 def run_python(code, timeout):
     """Run `code` in a fresh interpreter (this one's environment); its finished
     process (text output), which must have exited 0."""

@@ -30,6 +30,7 @@ from tests.support.helpers import (
     deadline,
     is_gone,
     loopback_channels,
+    unused_pid,
     wait_until,
 )
 
@@ -417,9 +418,7 @@ def test_group_sigkill_leftovers_are_swept(subprocess_env, tmp_path):
     """Leftovers of a SIGKILLed group are removed by the next file_system loader's
     start, and by `doctor --clean`; a live process's segment and another user's
     never are."""
-    with open("/proc/sys/kernel/pid_max") as f:
-        pid_max = int(f.read())
-    dead = next(p for p in range(pid_max - 1, 300, -1) if not os.path.exists(f"/proc/{p}"))
+    dead = unused_pid()
     tag = ns_tag()
     live = f"fastloader-{os.getpid()}-{tag}-w0-s0-{'0' * 16}"   # a live loader's
     foreign = f"fastloader-{dead}-{tag}-w0-s0-{'0' * 16}"       # stale, another user's
@@ -454,9 +453,7 @@ def test_sweep_removes_only_dead_owners_regular_files(tmp_path):
     left alone; only our own regular files of a dead owner go."""
     from fastloader import shm_sweep
 
-    with open("/proc/sys/kernel/pid_max") as f:
-        pid_max = int(f.read())
-    dead = next(p for p in range(pid_max - 1, 300, -1) if not os.path.exists(f"/proc/{p}"))
+    dead = unused_pid()
     tag = ns_tag()
     stale = f"fastloader-{dead}-{tag}-w0-s1-{'1' * 16}"
     link = f"fastloader-{dead}-{tag}-w0-s2-{'2' * 16}"
