@@ -13,6 +13,26 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# Both scripts: run fn() in a forked child, and return what it returned (JSON).
+_IN_CHILD = """
+def in_child(fn):
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            out = fn()
+        except BaseException as exc:
+            out = {"error": repr(exc)}
+        os.write(w, json.dumps(out).encode())
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        got = json.loads(f.read())
+    os.waitpid(pid, 0)
+    return got
+"""
+
 # The script's own top: runs again in every worker (as __mp_main__), which records it.
 _TOP = """
 import json, os, sys, time
@@ -68,7 +88,7 @@ def pids(batches):
 
 def ppids(batches):
     return sorted({p for b in batches for p in b["ppid"]})
-"""
+""" + _IN_CHILD
 
 
 def _pids(batches):
@@ -266,23 +286,12 @@ def test_a_forked_child_starts_its_own_server_not_its_parents(tmp_path):
         loader = fastloader.DataLoader(Probe(), batch_size=2, num_workers=2,
                                        multiprocessing_context="spawn")
         parent_server = spawn_server.server_pid()
-        r, w = os.pipe()
-        child = os.fork()
-        if child == 0:
-            os.close(r)
-            try:
-                inherited = spawn_server.server_pid()
-                got = epoch(loader)
-                msg = {"inherited": inherited, "server": spawn_server.server_pid(),
-                       "ppid": ppids(got), "n": sum(len(b["i"]) for b in got)}
-            except BaseException as exc:
-                msg = {"error": repr(exc)}
-            os.write(w, json.dumps(msg).encode())
-            os._exit(0)
-        os.close(w)
-        with os.fdopen(r) as f:
-            msg = json.loads(f.read())
-        os.waitpid(child, 0)
+        def in_the_child():
+            inherited = spawn_server.server_pid()
+            got = epoch(loader)
+            return {"inherited": inherited, "server": spawn_server.server_pid(),
+                    "ppid": ppids(got), "n": sum(len(b["i"]) for b in got)}
+        msg = in_child(in_the_child)
         mine = epoch(loader)
         print(json.dumps({"parent_server": parent_server, "child": msg,
                           "parent_ppid": ppids(mine),
@@ -337,22 +346,10 @@ import json, os
 import numpy as np
 np.random.randint(0, 10)   # numpy.random imported in the server (NumPy 1.x does so)
 import fastloader._spawn_server_child   # as the server's preload
+""" + _IN_CHILD + """
 
 def draw_in_child(then=None):
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(r)
-        out = [int(np.random.randint(0, 2**62))]
-        if then:
-            out.append(then())
-        os.write(w, json.dumps(out).encode())
-        os._exit(0)
-    os.close(w)
-    with os.fdopen(r) as f:
-        got = json.loads(f.read())
-    os.waitpid(pid, 0)
-    return got
+    return in_child(lambda: [int(np.random.randint(0, 2**62))] + ([then()] if then else []))
 
 def grandchild_and_me():
     # in a child: a grandchild keeps its parent's state, as any fork does

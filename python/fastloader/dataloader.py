@@ -50,7 +50,8 @@ class DataLoader(_TorchDataLoader[T_co]):
         super().__init__(*args, **kwargs)
         self.sharing_strategy = sharing_strategy
         self.snapshot_every_n_steps = snapshot_every_n_steps
-        # under 'forkserver' or 'spawn', start a server now, with torch preloaded
+        # under 'forkserver' (or 'spawn' with FASTLOADER_SPAWN_SERVER=1), start a
+        # server now, with torch preloaded
         forkserver.warm_up(self.multiprocessing_context, self.num_workers)
         spawn_server.warm_up(self.multiprocessing_context, self.num_workers)
 

@@ -96,7 +96,10 @@ def start_server(server, preloading: bool) -> None:
     if hasattr(server, "_preload_modules"):
         server.set_forkserver_preload(modules + [SIGINT_MODULE] if preloading else modules)
     with _start_method_left_unfixed():
-        _start_blocking_sigint(server) if preloading else server.ensure_running()
+        if preloading:
+            _start_blocking_sigint(server)
+        else:
+            server.ensure_running()   # as Python would start it
 
 
 @contextlib.contextmanager

@@ -2,10 +2,11 @@
 
 Processes are started through the loader's multiprocessing context ('fork',
 'spawn', 'forkserver' or a context object), so every start method torch supports
-works ('spawn' workers are forks of a clean server: spawn_server.py). Each
-worker's channel fds cross to the child with multiprocessing's own fd
-passing (inherited under fork, passed under spawn/forkserver). Liveness is watched
-from C through a pidfd per worker; this module turns a death into a clear error."""
+works (with FASTLOADER_SPAWN_SERVER=1, 'spawn' workers are forks of a clean
+server: spawn_server.py). Each worker's channel fds cross to the child with
+multiprocessing's own fd passing (inherited under fork, passed under
+spawn/forkserver). Liveness is watched from C through a pidfd per worker; this
+module turns a death into a clear error."""
 from __future__ import annotations
 
 import atexit
@@ -263,7 +264,8 @@ class WorkerPool:
     def _start_all(self, context, specs, strategy, rings):
         method = context.get_start_method()
         if method == "spawn" and spawn_server.serves(context):
-            # forks of a clean interpreter that has imported torch (spawn_server.py)
+            # opt-in: forks of a clean interpreter that has imported torch
+            # (spawn_server.py)
             with spawn_server.launching(context) as served:
                 self._start_all_of(served, method, specs, strategy, rings)
         else:
