@@ -83,7 +83,11 @@ def serves(context) -> bool:
         method = context.get_start_method()
     except (AttributeError, ValueError):
         return False
-    return method == "spawn" and getattr(context, "Process", None) in _SERVED
+    return _served(method, getattr(context, "Process", None))
+
+
+def _served(method, process_class) -> bool:
+    return method == "spawn" and process_class in _SERVED
 
 
 def server_pid():
@@ -111,7 +115,7 @@ def warm_up(context, num_workers: int) -> None:
             return   # an odd context: the loader deals with it at iteration
     # never blocks: another thread starting workers holds the lock, and will
     # have started a server by the time this loader's first iter() asks
-    if method == "spawn" and process_class in _SERVED and _State.lock.acquire(blocking=False):
+    if _served(method, process_class) and _State.lock.acquire(blocking=False):
         try:
             _current_server()
         finally:
