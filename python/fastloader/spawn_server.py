@@ -60,6 +60,7 @@ class _State:
     that no server is retired while a launch is using it."""
 
     lock = threading.RLock()
+    restart_lock = threading.Lock()   # a dead server is started again by one thread
     server = None          # a multiprocessing ForkServer, or None
     start_state = None     # _start_state() when it started
     owner_pid = None       # the process that started it (a forked child must not use it)
@@ -184,6 +185,7 @@ def _forget_in_child() -> None:
     _State.launching_with = None
     _State.retired = []
     _State.lock = threading.RLock()
+    _State.restart_lock = threading.Lock()
     if fd is not None:
         with contextlib.suppress(OSError):
             os.close(fd)
@@ -278,17 +280,22 @@ class _Popen(popen_forkserver.Popen):
             reduction.dump(process_obj, buf)
         finally:
             _mp_context.set_spawning_popen(None)
+        tried = server._forkserver_pid
         try:
             self._send(server, buf.getbuffer())
         except (EOFError, OSError):
             # The server died (the OOM killer's favourite: it is big and idle) and
             # its pid was not yet reapable when it was checked: start it again, once.
-            if not _has_died(server):
-                raise
+            # A pool starts its workers from several threads at once: the first to
+            # get here starts the new server, the others use it.
+            with _State.restart_lock:
+                if server._forkserver_pid == tried:
+                    if not _has_died(server):
+                        raise
+                    forkserver.start_server(server, preloading=True)
             if self.finalizer is not None:
                 self.finalizer()
                 self.finalizer = None
-            forkserver.start_server(server, preloading=True)
             self._send(server, buf.getbuffer())
 
     def _send(self, server, data):
