@@ -12,7 +12,8 @@ import warnings
 
 import torch
 
-from tests.clients._dropin_common import Regression, loader_class, setup_determinism
+from tests.clients._dropin_common import (Regression, dump_stacks_on_sigusr1, loader_class,
+                                          setup_determinism)
 
 EPOCHS = 2
 
@@ -58,6 +59,7 @@ def train(mode, out):
 
 def main():
     mode, out, scenario = sys.argv[1:4]
+    dump_stacks_on_sigusr1()
     if mode in ("fastloader", "install-torch-loader"):
         import fastloader
 

@@ -2,13 +2,22 @@
 dataset whose samples draw from the worker's RNG (so worker seeding is compared too)
 and which leaves one marker file per process that served samples, naming its pid,
 its parent and whether it was one of fastloader's workers."""
+import faulthandler
 import multiprocessing
 import os
+import signal
 
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
 _MARKED = set()
+
+
+def dump_stacks_on_sigusr1():
+    """On SIGUSR1, print every thread's Python stack to stderr: the harness sends it
+    to all processes of a run that hung. Set before anything forks, so that ranks
+    and forked workers inherit the handler."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def in_fastloader_worker():

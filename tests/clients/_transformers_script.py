@@ -10,13 +10,14 @@ import sys
 
 import torch
 
-from tests.clients._dropin_common import Tokens, setup_determinism
+from tests.clients._dropin_common import Tokens, dump_stacks_on_sigusr1, setup_determinism
 
 STEPS, WORKERS = 8, 2
 
 
 def main():
     mode, out = sys.argv[1:3]
+    dump_stacks_on_sigusr1()
     if mode == "fastloader":
         import fastloader
 
