@@ -52,13 +52,14 @@ def _ignore_sigint():
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _run(body, env_extra=None, sigint_ignored=False):
+def _run(body, env_extra=None, sigint_ignored=False, argv=()):
     """`body` in a fresh interpreter (started with SIGINT ignored, as a background
-    job is, if `sigint_ignored`); returns the JSON its last line prints."""
+    job is, if `sigint_ignored`; `argv` as its sys.argv[1:]); returns the JSON its
+    last line prints."""
     env = dict(os.environ, **(env_extra or {}))
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     code = _PRELUDE + "\nif __name__ == '__main__':\n" + textwrap.indent(textwrap.dedent(body), "    ")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+    done = subprocess.run([sys.executable, "-c", code, *argv], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=240,
                           preexec_fn=_ignore_sigint if sigint_ignored else None)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -88,6 +89,64 @@ def test_building_a_loader_starts_a_server_that_preloads_fastloader():
     assert out["parents"] == [str(out["server"])] * 2, "workers must be forks of that server"
     assert out["batches"] == 10
     assert out["list"][0] == "json" and out["list"][-1] == "fastloader.worker"
+
+
+_ENV_SEQUENCE = """
+    from tests.support.datasets import EnvVarDataset
+    Loader = fastloader.DataLoader if sys.argv[1] == "fastloader" else torch.utils.data.DataLoader
+    os.environ["FS_TEST_VAR"] = "at build"
+    loader = Loader(EnvVarDataset("FS_TEST_VAR"), batch_size=2, num_workers=2,
+                    multiprocessing_context="forkserver")
+    built_with = fs.server_pid()
+    os.environ["FS_TEST_VAR"] = "at first iter"
+    first = [v for b in loader for v in b]
+    first_server = fs.server_pid()
+    os.environ["FS_TEST_VAR"] = "at second iter"
+    second = [v for b in loader for v in b]
+    print(json.dumps({"first": first, "second": second, "built_with": built_with,
+                      "first_server": first_server, "then": fs.server_pid(),
+                      "core": has_core(fs.server_pid())}))
+"""
+
+
+@pytest.mark.parametrize("loader", ["torch", "fastloader"])
+def test_workers_see_the_environment_of_the_first_iter_as_torchs_do(loader):
+    """torch's forkserver starts at the first iter(): its workers see the environment
+    as it is then, and keep seeing it (the server lives on). fastloader starts the
+    server when the loader is built; a server whose start state changed before
+    anything was forked from it is replaced at the first iter()."""
+    out = _run(_ENV_SEQUENCE, argv=[loader])
+    assert out["first"] == ["at first iter"] * 4
+    assert out["second"] == ["at first iter"] * 4
+    assert out["first_server"] == out["then"]
+    if loader == "fastloader":
+        assert out["built_with"] not in (None, out["then"])
+        assert out["core"], "the replacement server does not preload fastloader"
+    else:
+        assert out["built_with"] is None
+
+
+def test_a_warm_server_that_served_the_program_is_kept():
+    """A process of the program's own, forked from the server after the loader was
+    built, learns its exit code from that server: the server stays, with the
+    environment it took when the loader was built."""
+    out = _run("""
+        from tests.support.datasets import EnvVarDataset
+        loader = fastloader.DataLoader(EnvVarDataset("FS_TEST_VAR"), batch_size=2,
+                                       num_workers=2, multiprocessing_context="forkserver")
+        built_with = fs.server_pid()
+        ctx = multiprocessing.get_context("forkserver")
+        p = ctx.Process(target=time.sleep, args=(30,))
+        p.start()
+        os.environ["FS_TEST_VAR"] = "at first iter"
+        got = [v for b in loader for v in b]
+        p.kill()
+        p.join()
+        print(json.dumps({"got": got, "same": fs.server_pid() == built_with,
+                          "exitcode": p.exitcode}))
+    """)
+    assert out["same"] and out["got"] == [""] * 4
+    assert out["exitcode"] == -signal.SIGKILL
 
 
 def test_preload_can_be_turned_off():

@@ -279,6 +279,29 @@ def test_a_killed_server_is_started_again(tmp_path):
     assert out["then"] not in (None, out["first"]) and out["ppid_b"] == [out["then"]]
 
 
+def test_a_hung_server_is_killed_and_replaced(tmp_path):
+    """A server that stops answering (here: stopped; in life: deadlocked in a fork)
+    would hold the training loop for ever: after REPLY_TIMEOUT_S it is killed, a
+    new one starts, and the epoch goes on."""
+    out, _ = _run(tmp_path, """
+        loader = fastloader.DataLoader(Probe(), batch_size=2, num_workers=2,
+                                       multiprocessing_context="spawn")
+        a = epoch(loader)
+        spawn_server.REPLY_TIMEOUT_S = 5   # for a server that has answered before
+        first = spawn_server.server_pid()
+        os.kill(first, signal.SIGSTOP)
+        b = epoch(loader)
+        gone = not os.path.exists(f"/proc/{first}")   # killed and reaped
+        print(json.dumps({"first": first, "then": spawn_server.server_pid(),
+                          "a": [i for x in a for i in x["i"]],
+                          "b": [i for x in b for i in x["i"]],
+                          "ppid_b": ppids(b), "gone": gone}))
+    """)
+    assert out["a"] == out["b"] == list(range(8))
+    assert out["then"] not in (None, out["first"]) and out["ppid_b"] == [out["then"]]
+    assert out["gone"]
+
+
 def test_a_forked_child_starts_its_own_server_not_its_parents(tmp_path):
     """A child forked from a process with a server inherits the server's handle; the
     server is not its child (it cannot wait for it), so it starts its own."""

@@ -14,21 +14,46 @@ worker after that is a fork of a warm process: milliseconds, not seconds.
 
 Nothing changes when the server already runs (a preload would come too late),
 and ``FASTLOADER_FORKSERVER_PRELOAD=0`` turns the whole thing off.
+
+torch's server starts at the first iter(), and its workers take the environment
+(and the rest of start_state.py) as it is then. So when what the server took at
+the loader's construction has changed by the first iter() and nothing has been
+forked from it yet, it is replaced by one started then.
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import threading
 from multiprocessing import context as _mp_context
 from multiprocessing import forkserver as _mp_forkserver
-from multiprocessing import resource_tracker
+from multiprocessing import resource_tracker, util
 
 from .sharing import resolve_start_method
 from .sigint import DeferredCtrlC
+from .start_state import start_state
 
 PRELOAD_MODULE = "fastloader.worker"
 SIGINT_MODULE = "fastloader._forkserver_sigint"   # always the last preload
 _ENV = "FASTLOADER_FORKSERVER_PRELOAD"
+
+
+class _Warmed:
+    """The server warm_up() started, until workers are first started from it."""
+
+    lock = threading.Lock()
+    pid = None
+    state = None   # start_state() when it started
+
+
+def _forget_warmed_in_child() -> None:
+    # a forked child shares the parent's server, which is not its to replace
+    _Warmed.lock = threading.Lock()
+    _Warmed.pid = _Warmed.state = None
+
+
+os.register_at_fork(after_in_child=_forget_warmed_in_child)
 
 
 def _server():
@@ -72,7 +97,10 @@ def warm_up(context, num_workers: int) -> None:
     except (ValueError, AttributeError):
         return   # an odd context object: leave everything to iteration time
     if method == "forkserver" and add_preload():
+        state = start_state()
         start_server(_server(), preloading=True)
+        with _Warmed.lock:
+            _Warmed.pid, _Warmed.state = server_pid(), state
 
 
 def ensure_running() -> None:
@@ -82,7 +110,43 @@ def ensure_running() -> None:
     pass on to every process it forks."""
     server = _server()
     if server is not None:
+        _replace_if_stale(server)
         start_server(server, preloading=add_preload())
+
+
+def _replace_if_stale(server) -> None:
+    # The first start of workers from a server warm_up() started: if what a
+    # server takes from this process changed since (an environment variable set
+    # after the loader was built), stop it, and a new one starts now, as torch's
+    # would. Not if the program's own processes came from it meanwhile: a
+    # forkserver process learns its exit code from the server.
+    with _Warmed.lock:
+        pid, state = _Warmed.pid, _Warmed.state
+        _Warmed.pid = _Warmed.state = None
+    if pid is None or pid != server_pid() or start_state() == state:
+        return
+    if _has_children(pid):
+        return
+    with server._lock:   # what ensure_running() does for a server found dead
+        if server._forkserver_pid != pid:
+            return
+        os.kill(pid, signal.SIGKILL)   # it may still be importing torch
+        os.waitpid(pid, 0)
+        os.close(server._forkserver_alive_fd)
+        address = server._forkserver_address
+        if isinstance(address, str) and not util.is_abstract_socket_namespace(address):
+            with contextlib.suppress(OSError):
+                os.unlink(address)
+        server._forkserver_address = server._forkserver_alive_fd = None
+        server._forkserver_pid = None
+
+
+def _has_children(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return bool(f.read().split())
+    except OSError:
+        return True   # not known: leave it
 
 
 def start_server(server, preloading: bool) -> None:

@@ -13,12 +13,13 @@ then the worker, then its atexit handlers. A worker's start costs milliseconds.
 
 A fresh interpreter takes the process's state at the moment it starts; the server
 took it when it started. So a server serves only while what a spawned child would
-inherit is unchanged (_start_state: libc's environment, stdio,
+inherit is unchanged (start_state.py: libc's environment, stdio,
 executable, user and groups, process group and session, umask, CPU affinity, nice
 value, resource limits, ignored and blocked signals); otherwise a new server
 starts, which costs what spawning cost. NumPy's global random state, which a fork
 would share and a fresh interpreter draws anew, is reseeded from the OS in each
-worker (_spawn_server_child.py).
+worker (_spawn_server_child.py). A server that died is started again; one that
+does not fork a worker in time (REPLY_TIMEOUT_S) is killed and replaced.
 
 What stays different from spawn, and why it is not the default (README, "What
 differs"): os.getppid() in a worker is the server; torch is imported before the
@@ -33,10 +34,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import io
 import os
-import resource
 import select
 import signal
 import threading
@@ -47,8 +46,9 @@ from multiprocessing import process as _mp_process
 
 from . import forkserver
 from .sharing import default_start_method
+from .start_state import start_state
 
-__all__ = ["enabled", "serves", "launching", "warm_up", "server_pid"]
+__all__ = ["enabled", "serves", "launching", "warm_up", "server_pid", "ServerHung"]
 
 _ENV = "FASTLOADER_SPAWN_SERVER"
 CHILD_MODULE = "fastloader._spawn_server_child"
@@ -62,10 +62,11 @@ class _State:
     lock = threading.RLock()
     restart_lock = threading.Lock()   # a dead server is started again by one thread
     server = None          # a multiprocessing ForkServer, or None
-    start_state = None     # _start_state() when it started
+    start_state = None     # start_state() when it started
     owner_pid = None       # the process that started it (a forked child must not use it)
     launching_with = None  # the server the current launch connects to
     retired: list = []     # pids of servers given up, to be reaped
+    answered: set = set()  # pids of servers that have forked a worker
 
 
 def enabled() -> bool:
@@ -139,7 +140,7 @@ def launching(context):
 
 def _current_server():
     _reap_retired()
-    state = _start_state()
+    state = start_state()
     if _State.owner_pid != os.getpid():
         _State.server = None   # the parent's, inherited by fork (see _forget_in_child)
     elif _State.server is not None and _State.start_state != state:
@@ -184,6 +185,7 @@ def _forget_in_child() -> None:
     _State.server = _State.start_state = _State.owner_pid = None
     _State.launching_with = None
     _State.retired = []
+    _State.answered = set()
     _State.lock = threading.RLock()
     _State.restart_lock = threading.Lock()
     if fd is not None:
@@ -192,76 +194,6 @@ def _forget_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_in_child)
-
-
-def _stdio_identity(fd: int):
-    try:
-        st = os.fstat(fd)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
-
-
-def _umask():
-    # read, not set: os.umask() would change it for every thread meanwhile
-    try:
-        with open("/proc/self/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"Umask:"):
-                    return line.split()[1]
-    except OSError:
-        pass
-    return None
-
-
-def _ignored_signals():
-    ignored = []
-    for sig in signal.valid_signals():
-        try:
-            if signal.getsignal(sig) is signal.SIG_IGN:
-                ignored.append(int(sig))
-        except (ValueError, OSError):
-            pass
-    return tuple(ignored)
-
-
-def _c_environ():
-    # what exec passes on is libc's environ, which os.putenv() and C libraries'
-    # setenv() change without os.environ knowing
-    try:
-        entries = ctypes.POINTER(ctypes.c_char_p).in_dll(ctypes.CDLL(None), "environ")
-    except (OSError, ValueError, AttributeError):
-        return tuple(sorted(os.environb.items()))
-    out = []
-    i = 0
-    while entries[i] is not None:
-        out.append(entries[i])
-        i += 1
-    return tuple(sorted(out))
-
-
-_RLIMITS = tuple(getattr(resource, name) for name in dir(resource)
-                 if name.startswith("RLIMIT_"))
-
-
-def _start_state() -> tuple:
-    """What a spawned child takes from this process when it starts, and a fork of
-    the server took from it when the server started."""
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, ())
-    return (
-        spawn.get_executable(),
-        _c_environ(),
-        tuple(_stdio_identity(fd) for fd in (0, 1, 2)),
-        os.geteuid(), os.getegid(), tuple(sorted(os.getgroups())),
-        os.getpgrp(), os.getsid(0),
-        _umask(),
-        tuple(sorted(os.sched_getaffinity(0))),
-        os.getpriority(os.PRIO_PROCESS, 0),
-        tuple(resource.getrlimit(r) for r in _RLIMITS),
-        _ignored_signals(),
-        # SIGINT is blocked by fastloader itself while workers start (sigint.py)
-        tuple(sorted(int(s) for s in blocked if s != signal.SIGINT)),
-    )
 
 
 class _Popen(popen_forkserver.Popen):
@@ -283,11 +215,12 @@ class _Popen(popen_forkserver.Popen):
         tried = server._forkserver_pid
         try:
             self._send(server, buf.getbuffer())
-        except (EOFError, OSError):
+        except (EOFError, OSError, ServerHung):
             # The server died (the OOM killer's favourite: it is big and idle) and
-            # its pid was not yet reapable when it was checked: start it again, once.
-            # A pool starts its workers from several threads at once: the first to
-            # get here starts the new server, the others use it.
+            # its pid was not yet reapable when it was checked, or it hung and was
+            # killed: start it again, once. A pool starts its workers from several
+            # threads at once: the first to get here starts the new server, the
+            # others use it.
             with _State.restart_lock:
                 if server._forkserver_pid == tried:
                     if not _has_died(server):
@@ -305,7 +238,29 @@ class _Popen(popen_forkserver.Popen):
         self.finalizer = util.Finalize(self, util.close_fds, (parent_w, self.sentinel))
         with open(w, "wb", closefd=True) as f:
             f.write(data)
+        pid = server._forkserver_pid
+        # a server that has answered before only forks; its first answer waits for
+        # its import of torch (seconds, more on a loaded box)
+        timeout = REPLY_TIMEOUT_S if pid in _State.answered else FIRST_REPLY_TIMEOUT_S
+        if not select.select([self.sentinel], [], [], timeout)[0]:
+            with contextlib.suppress(OSError, TypeError):
+                os.kill(pid, signal.SIGKILL)   # ours, and of no use to anyone now
+            raise ServerHung(f"fastloader's spawn server (pid {pid}) started no worker "
+                             f"in {timeout:.0f} s and was killed; the next start of "
+                             "workers starts a new one")
         self.pid = _mp_forkserver.read_signed(self.sentinel)
+        _State.answered.add(pid)
+
+
+# How long the server may take to fork a worker. One that has not answered by then
+# is stuck (stopped, or deadlocked by a lock some thread held when it forked) and
+# would otherwise hold the training loop for ever.
+REPLY_TIMEOUT_S = 60.0
+FIRST_REPLY_TIMEOUT_S = 600.0
+
+
+class ServerHung(RuntimeError):
+    """The spawn server did not answer a worker's start in REPLY_TIMEOUT_S."""
 
 
 def _has_died(server, timeout: float = 10.0) -> bool:

@@ -618,3 +618,16 @@ def record_sigint_at_exit(directory, worker_id):
         os.replace(path + ".part", path)
 
     Finalize(None, record, exitpriority=0)
+
+
+class EnvVarDataset(Dataset):
+    """Sample i: the worker's value of environment variable `name` ('' if unset)."""
+
+    def __init__(self, name, n=4):
+        self.name, self.n = name, n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return os.environ.get(self.name, "")
