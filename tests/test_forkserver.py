@@ -149,6 +149,58 @@ def test_a_warm_server_that_served_the_program_is_kept():
     assert out["exitcode"] == -signal.SIGKILL
 
 
+def test_a_start_the_program_makes_from_another_thread_keeps_the_server():
+    """A thread of the program starts its own forkserver process as the loader is
+    built; the server is still importing torch, so the request waits in its queue.
+    Replacing the server then would lose it: the server stays."""
+    out = _run("""
+        import threading
+        from tests.support.datasets import EnvVarDataset
+        loader = fastloader.DataLoader(EnvVarDataset("FS_TEST_VAR"), batch_size=2,
+                                       num_workers=2, multiprocessing_context="forkserver")
+        built_with = fs.server_pid()
+        res = {}
+        def start_one():
+            p = multiprocessing.get_context("forkserver").Process(target=time.sleep,
+                                                                  args=(3,))
+            p.start()
+            p.join()
+            res["exitcode"] = p.exitcode
+        t = threading.Thread(target=start_one)
+        t.start()
+        time.sleep(0.2)
+        os.environ["FS_TEST_VAR"] = "at first iter"
+        got = [v for b in loader for v in b]
+        t.join()
+        print(json.dumps({"got": got, "same": fs.server_pid() == built_with, **res}))
+    """)
+    assert out["exitcode"] == 0 and out["same"] and out["got"] == [""] * 4
+
+
+@pytest.mark.parametrize("change", ["sigchld_ignored", "sigterm_blocked"])
+def test_signal_state_at_the_first_iter(change):
+    """SIGCHLD ignored after the loader was built: a change, so the server is
+    replaced, and with the kernel reaping it the replacement must still work (it
+    raised ChildProcessError, then every iter() did). SIGTERM blocked before:
+    starting the server (its resource tracker) unblocks it in this thread, which is
+    no change by the program, so the server stays."""
+    out = _run(f"""
+        import signal
+        from tests.support.datasets import EnvVarDataset
+        if "{change}" == "sigterm_blocked":
+            signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGTERM}})
+        loader = fastloader.DataLoader(EnvVarDataset("FS_TEST_VAR"), batch_size=2,
+                                       num_workers=2, multiprocessing_context="forkserver")
+        built_with = fs.server_pid()
+        if "{change}" == "sigchld_ignored":
+            signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+        epochs = [[v for b in loader for v in b] for _ in range(2)]
+        print(json.dumps({{"epochs": epochs, "same": fs.server_pid() == built_with}}))
+    """)
+    assert out["epochs"] == [[""] * 4] * 2
+    assert out["same"] == (change == "sigterm_blocked")
+
+
 def test_preload_can_be_turned_off():
     out = _run("""
         loader = fastloader.DataLoader(TensorLabelDataset(40), batch_size=4, num_workers=2,

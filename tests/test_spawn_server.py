@@ -279,12 +279,17 @@ def test_a_killed_server_is_started_again(tmp_path):
     assert out["then"] not in (None, out["first"]) and out["ppid_b"] == [out["then"]]
 
 
-def test_a_hung_server_is_killed_and_replaced(tmp_path):
+@pytest.mark.parametrize("workers,blob", [(2, 0), (1, 1 << 20)], ids=["small", "1MiB"])
+def test_a_hung_server_is_killed_and_replaced(tmp_path, workers, blob):
     """A server that stops answering (here: stopped; in life: deadlocked in a fork)
     would hold the training loop for ever: after REPLY_TIMEOUT_S it is killed, a
-    new one starts, and the epoch goes on."""
+    new one starts, and the epoch goes on. Also when what the worker is sent
+    (here a 1 MiB dataset) does not fit the pipe, which nothing reads until the
+    server forks."""
     out, _ = _run(tmp_path, """
-        loader = fastloader.DataLoader(Probe(), batch_size=2, num_workers=2,
+        ds = Probe()
+        ds.blob = b"x" * BLOB
+        loader = fastloader.DataLoader(ds, batch_size=2, num_workers=WORKERS,
                                        multiprocessing_context="spawn")
         a = epoch(loader)
         spawn_server.REPLY_TIMEOUT_S = 5   # for a server that has answered before
@@ -296,10 +301,25 @@ def test_a_hung_server_is_killed_and_replaced(tmp_path):
                           "a": [i for x in a for i in x["i"]],
                           "b": [i for x in b for i in x["i"]],
                           "ppid_b": ppids(b), "gone": gone}))
-    """)
+    """.replace("BLOB", str(blob)).replace("WORKERS", str(workers)))
     assert out["a"] == out["b"] == list(range(8))
     assert out["then"] not in (None, out["first"]) and out["ppid_b"] == [out["then"]]
     assert out["gone"]
+
+
+def test_fds_above_1023_are_waited_on(tmp_path):
+    """A process with many files open hands out fds above 1023, which select()
+    cannot take: the server's answers and deaths are waited for with poll()."""
+    out, _ = _run(tmp_path, """
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
+        held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+        loader = fastloader.DataLoader(Probe(), batch_size=2, num_workers=2,
+                                       multiprocessing_context="spawn")
+        got = epoch(loader)
+        print(json.dumps({"i": [i for x in got for i in x["i"]], "top": max(held)}))
+    """)
+    assert out["top"] > 1023 and out["i"] == list(range(8))
 
 
 def test_a_forked_child_starts_its_own_server_not_its_parents(tmp_path):

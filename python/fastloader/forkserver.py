@@ -17,14 +17,15 @@ and ``FASTLOADER_FORKSERVER_PRELOAD=0`` turns the whole thing off.
 
 torch's server starts at the first iter(), and its workers take the environment
 (and the rest of start_state.py) as it is then. So when what the server took at
-the loader's construction has changed by the first iter() and nothing has been
-forked from it yet, it is replaced by one started then.
+the loader's construction has changed by the first iter(), it is replaced by one
+started then, unless processes of the program's came from it or are coming.
 """
 from __future__ import annotations
 
 import contextlib
 import os
 import signal
+import sys
 import threading
 from multiprocessing import context as _mp_context
 from multiprocessing import forkserver as _mp_forkserver
@@ -97,6 +98,9 @@ def warm_up(context, num_workers: int) -> None:
     except (ValueError, AttributeError):
         return   # an odd context object: leave everything to iteration time
     if method == "forkserver" and add_preload():
+        # the tracker first: starting it unblocks SIGINT and SIGTERM in this
+        # thread, which would make the state taken here differ from the server's
+        resource_tracker.ensure_running()
         state = start_state()
         start_server(_server(), preloading=True)
         with _Warmed.lock:
@@ -117,28 +121,52 @@ def ensure_running() -> None:
 def _replace_if_stale(server) -> None:
     # The first start of workers from a server warm_up() started: if what a
     # server takes from this process changed since (an environment variable set
-    # after the loader was built), stop it, and a new one starts now, as torch's
-    # would. Not if the program's own processes came from it meanwhile: a
-    # forkserver process learns its exit code from the server.
+    # after the loader was built), replace it, and a new one starts now, as torch's
+    # would. Not if the program's own processes came from it meanwhile (torch's
+    # server would have started then too), nor while another thread is starting
+    # one (its request may wait in the server's queue while the server imports
+    # torch, and would be lost). The lock is held throughout, so that another
+    # loader's first iter() waits for the new server instead of connecting to the
+    # old one.
     with _Warmed.lock:
         pid, state = _Warmed.pid, _Warmed.state
         _Warmed.pid = _Warmed.state = None
-    if pid is None or pid != server_pid() or start_state() == state:
-        return
-    if _has_children(pid):
-        return
-    with server._lock:   # what ensure_running() does for a server found dead
-        if server._forkserver_pid != pid:
+        if pid is None or pid != server_pid() or start_state() == state:
             return
-        os.kill(pid, signal.SIGKILL)   # it may still be importing torch
-        os.waitpid(pid, 0)
-        os.close(server._forkserver_alive_fd)
-        address = server._forkserver_address
-        if isinstance(address, str) and not util.is_abstract_socket_namespace(address):
-            with contextlib.suppress(OSError):
-                os.unlink(address)
-        server._forkserver_address = server._forkserver_alive_fd = None
-        server._forkserver_pid = None
+        with server._lock:   # what ensure_running() does for a server found dead
+            if (server._forkserver_pid != pid or _has_children(pid)
+                    or _another_thread_starts_a_process()):
+                return
+            try:
+                # maybe half-way through importing torch. With SIGCHLD ignored the
+                # kernel reaps it itself (and it may be gone already).
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, 0)
+                os.close(server._forkserver_alive_fd)
+                address = server._forkserver_address
+                if isinstance(address, str) and not util.is_abstract_socket_namespace(
+                        address):
+                    with contextlib.suppress(OSError):
+                        os.unlink(address)
+            finally:
+                server._forkserver_address = server._forkserver_alive_fd = None
+                server._forkserver_pid = None
+
+
+def _another_thread_starts_a_process() -> bool:
+    me = threading.get_ident()
+    for ident, frame in sys._current_frames().items():
+        while ident != me and frame is not None:
+            if frame.f_code.co_filename.endswith(_MP_FORKSERVER_FILES):
+                return True
+            frame = frame.f_back
+    return False
+
+
+_MP_FORKSERVER_FILES = tuple(os.path.join("multiprocessing", name)
+                             for name in ("forkserver.py", "popen_forkserver.py"))
 
 
 def _has_children(pid: int) -> bool:

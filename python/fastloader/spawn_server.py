@@ -41,7 +41,7 @@ import signal
 import threading
 from multiprocessing import context as _mp_context
 from multiprocessing import forkserver as _mp_forkserver
-from multiprocessing import popen_forkserver, reduction, spawn, util
+from multiprocessing import popen_forkserver, reduction, resource_tracker, spawn, util
 from multiprocessing import process as _mp_process
 
 from . import forkserver
@@ -140,6 +140,9 @@ def launching(context):
 
 def _current_server():
     _reap_retired()
+    # the tracker first: starting it unblocks SIGINT and SIGTERM in this thread,
+    # which would make the state taken here differ from the server's
+    resource_tracker.ensure_running()
     state = start_state()
     if _State.owner_pid != os.getpid():
         _State.server = None   # the parent's, inherited by fork (see _forget_in_child)
@@ -214,7 +217,7 @@ class _Popen(popen_forkserver.Popen):
             _mp_context.set_spawning_popen(None)
         tried = server._forkserver_pid
         try:
-            self._send(server, buf.getbuffer())
+            data_w = self._request(server, tried)
         except (EOFError, OSError, ServerHung):
             # The server died (the OOM killer's favourite: it is big and idle) and
             # its pid was not yet reapable when it was checked, or it hung and was
@@ -229,27 +232,38 @@ class _Popen(popen_forkserver.Popen):
             if self.finalizer is not None:
                 self.finalizer()
                 self.finalizer = None
-            self._send(server, buf.getbuffer())
+            data_w = self._request(server, server._forkserver_pid)
+        # The child exists: it reads what it needs from this pipe. (Written only
+        # now: a hung server reads nothing, and a write bigger than the pipe would
+        # block before any deadline could be checked.)
+        with open(data_w, "wb", closefd=True) as f:
+            f.write(buf.getbuffer())
 
-    def _send(self, server, data):
+    def _request(self, server, pid):
+        """Ask the server (pid `pid`) for a child; returns our end of the child's
+        data pipe."""
         self.sentinel, w = server.connect_to_new_process(self._fds)
-        # the child learns of our death by EOF on a copy of the data pipe
-        parent_w = os.dup(w)
-        self.finalizer = util.Finalize(self, util.close_fds, (parent_w, self.sentinel))
-        with open(w, "wb", closefd=True) as f:
-            f.write(data)
-        pid = server._forkserver_pid
-        # a server that has answered before only forks; its first answer waits for
-        # its import of torch (seconds, more on a loaded box)
-        timeout = REPLY_TIMEOUT_S if pid in _State.answered else FIRST_REPLY_TIMEOUT_S
-        if not select.select([self.sentinel], [], [], timeout)[0]:
-            with contextlib.suppress(OSError, TypeError):
-                os.kill(pid, signal.SIGKILL)   # ours, and of no use to anyone now
-            raise ServerHung(f"fastloader's spawn server (pid {pid}) started no worker "
-                             f"in {timeout:.0f} s and was killed; the next start of "
-                             "workers starts a new one")
-        self.pid = _mp_forkserver.read_signed(self.sentinel)
+        try:
+            # the child learns of our death by EOF on a copy of the data pipe
+            parent_w = os.dup(w)
+            self.finalizer = util.Finalize(self, util.close_fds, (parent_w, self.sentinel))
+            # a server that has answered before only forks; its first answer waits
+            # for its import of torch (seconds, more on a loaded box)
+            timeout = REPLY_TIMEOUT_S if pid in _State.answered else FIRST_REPLY_TIMEOUT_S
+            if not _readable(self.sentinel, timeout):
+                with _State.restart_lock:   # not one another thread has replaced
+                    if server._forkserver_pid == pid:
+                        with contextlib.suppress(OSError):
+                            os.kill(pid, signal.SIGKILL)   # ours, of no use now
+                raise ServerHung(f"fastloader's spawn server (pid {pid}) started no "
+                                 f"worker in {timeout:.0f} s and was killed; the next "
+                                 "start of workers starts a new one")
+            self.pid = _mp_forkserver.read_signed(self.sentinel)
+        except BaseException:
+            os.close(w)
+            raise
         _State.answered.add(pid)
+        return w
 
 
 # How long the server may take to fork a worker. One that has not answered by then
@@ -261,6 +275,14 @@ FIRST_REPLY_TIMEOUT_S = 600.0
 
 class ServerHung(RuntimeError):
     """The spawn server did not answer a worker's start in REPLY_TIMEOUT_S."""
+
+
+def _readable(fd: int, timeout: float) -> bool:
+    # poll, not select: select() cannot take an fd above 1023, which a process
+    # with many open files hands out
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(max(0, int(timeout * 1000))))
 
 
 def _has_died(server, timeout: float = 10.0) -> bool:
@@ -276,7 +298,7 @@ def _has_died(server, timeout: float = 10.0) -> bool:
     except OSError:   # no pidfds (Linux < 5.3): it is not known to have died
         return False
     try:
-        return bool(select.select([fd], [], [], timeout)[0])   # readable once it exits
+        return _readable(fd, timeout)   # readable once it exits
     finally:
         os.close(fd)
 

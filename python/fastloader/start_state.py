@@ -50,13 +50,21 @@ def _c_environ():
     try:
         entries = ctypes.POINTER(ctypes.c_char_p).in_dll(ctypes.CDLL(None), "environ")
     except (OSError, ValueError, AttributeError):
-        return tuple(sorted(os.environb.items()))
+        return tuple(sorted(kv for kv in os.environb.items()
+                            if not (kv[0] + b"=").startswith(_SET_BY_TORCH)))
     out = []
     i = 0
     while entries[i] is not None:
-        out.append(entries[i])
+        if not entries[i].startswith(_SET_BY_TORCH):
+            out.append(entries[i])
         i += 1
     return tuple(sorted(out))
+
+
+# torch sets this at its first CUDA use, when unset (to LAZY): building the loaders,
+# then `model.cuda()`, then training would otherwise cost a new server (a second)
+# for a variable a worker's own CUDA use sets the same way
+_SET_BY_TORCH = b"CUDA_MODULE_LOADING="
 
 
 _RLIMITS = tuple(getattr(resource, name) for name in dir(resource)

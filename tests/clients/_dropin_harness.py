@@ -2,6 +2,7 @@
 ``python SCRIPT MODE OUT`` where MODE picks the loader and whether
 fastloader.install() is called, and OUT is a directory for the script's
 ``result.pt`` and its workers' marker files (see _dropin_common.py)."""
+import contextlib
 import os
 import signal
 import subprocess
@@ -68,28 +69,44 @@ def _run(cmd, cwd, timeout):
         stdout, stderr = proc.communicate(timeout=timeout)
         return proc.returncode, stdout, stderr, False
     except subprocess.TimeoutExpired:
-        _ask_for_stacks(proc.pid)
-        try:
+        tree = _tree(proc.pid)
+        _ask_for_stacks(tree)
+        # the group, and the processes that left it (a launcher may start its
+        # ranks in sessions of their own)
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        stdout, stderr = proc.communicate()
+        for p in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        try:
+            stdout, stderr = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:   # a process we could not see holds the pipes
+            proc.kill()
+            stdout, stderr = "", "(no output: a process outside the tree holds the pipes)"
         return proc.returncode, stdout, stderr, True
 
 
-def _ask_for_stacks(pid):
-    """One process at a time, so that their stacks do not interleave on stderr."""
+def _tree(pid):
     try:
-        tree = [psutil.Process(pid)]
-        tree += tree[0].children(recursive=True)
+        root = psutil.Process(pid)
+        return [root] + root.children(recursive=True)
     except psutil.NoSuchProcess:
-        return
+        return []
+
+
+def _ask_for_stacks(tree):
+    """Each process that has a SIGUSR1 handler (the others would die of it), one at
+    a time, so that their stacks do not interleave on stderr."""
     for p in tree:
         try:
-            p.send_signal(signal.SIGUSR1)
-        except psutil.NoSuchProcess:
+            with open(f"/proc/{p.pid}/status") as f:
+                caught = next(int(line.split()[1], 16) for line in f
+                              if line.startswith("SigCgt:"))
+            if caught & (1 << (signal.SIGUSR1 - 1)):
+                p.send_signal(signal.SIGUSR1)
+                time.sleep(0.5)
+        except (OSError, StopIteration, psutil.NoSuchProcess):
             continue
-        time.sleep(0.5)
 
 
 def assert_workers_were(markers, kind, parents, per_parent):
