@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-import warnings
 
 import psutil
 import torch
@@ -43,7 +42,8 @@ def run_script(script, mode, out_dir, *args, timeout=300):
         if not hung:
             break
         if attempt < attempts:
-            warnings.warn(f"the reference run hung; running it again. {report}")
+            # (printed, not warned: this suite turns warnings into errors)
+            print(f"the reference run hung; running it again. {report}", file=sys.stderr)
     assert not hung and returncode == 0, report
     result = torch.load(os.path.join(out, "result.pt"), weights_only=False)
     return result, read_markers(os.path.join(out, "markers"))

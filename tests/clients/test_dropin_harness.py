@@ -2,11 +2,13 @@
 stacks in the report and leaves no process behind, even one that left the
 process group (CI once lost 15 minutes to a hung 2-rank accelerate run; killing
 only the script would leave its ranks)."""
+import os
 import sys
 
 import psutil
+import pytest
 
-from tests.clients._dropin_harness import _run
+from tests.clients._dropin_harness import _run, run_script
 
 # (what dump_stacks_on_sigusr1 in _dropin_common does, without importing torch,
 # which on a loaded box could outlast the timeout)
@@ -44,3 +46,15 @@ def _alive(pid):
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def test_only_the_torch_reference_is_run_again_after_a_hang(tmp_path):
+    """The reference (torch's own DataLoader) gets a second run after a hang; a run
+    with fastloader that hangs fails at once."""
+    result, markers = run_script("_hangs_once_script.py", "torch", str(tmp_path / "ref"),
+                                 timeout=20)
+    assert result == {"ranks": []} and markers == []
+    assert sorted(os.listdir(tmp_path / "ref")) == [
+        "_hangs_once_script-torch", "_hangs_once_script-torch-2", "ran-once"]
+    with pytest.raises(AssertionError, match="hung"):
+        run_script("_hangs_once_script.py", "fastloader", str(tmp_path / "fast"), timeout=5)
