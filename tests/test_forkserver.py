@@ -168,7 +168,16 @@ def test_a_start_the_program_makes_from_another_thread_keeps_the_server():
             res["exitcode"] = p.exitcode
         t = threading.Thread(target=start_one)
         t.start()
-        time.sleep(0.2)
+        def in_forkserver_code(ident):
+            f = sys._current_frames().get(ident)
+            while f is not None:
+                if "forkserver" in os.path.basename(f.f_code.co_filename):
+                    return True
+                f = f.f_back
+            return False
+        deadline = time.monotonic() + 60   # until its start is under way there
+        while time.monotonic() < deadline and not in_forkserver_code(t.ident):
+            time.sleep(0.005)
         os.environ["FS_TEST_VAR"] = "at first iter"
         got = [v for b in loader for v in b]
         t.join()

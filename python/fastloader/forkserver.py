@@ -18,7 +18,7 @@ and ``FASTLOADER_FORKSERVER_PRELOAD=0`` turns the whole thing off.
 torch's server starts at the first iter(), and its workers take the environment
 (and the rest of start_state.py) as it is then. So when what the server took at
 the loader's construction has changed by the first iter(), it is replaced by one
-started then, unless processes of the program's came from it or are coming.
+started then, unless live processes of the program's came from it or are coming.
 """
 from __future__ import annotations
 
@@ -122,8 +122,9 @@ def _replace_if_stale(server) -> None:
     # The first start of workers from a server warm_up() started: if what a
     # server takes from this process changed since (an environment variable set
     # after the loader was built), replace it, and a new one starts now, as torch's
-    # would. Not if the program's own processes came from it meanwhile (torch's
-    # server would have started then too), nor while another thread is starting
+    # would. Not while processes of the program's that came from it live (they
+    # learn their exit codes from it; one that has exited does not count), nor
+    # while another thread is starting
     # one (its request may wait in the server's queue while the server imports
     # torch, and would be lost). The lock is held throughout, so that another
     # loader's first iter() waits for the new server instead of connecting to the

@@ -215,9 +215,9 @@ class _Popen(popen_forkserver.Popen):
             reduction.dump(process_obj, buf)
         finally:
             _mp_context.set_spawning_popen(None)
-        tried = server._forkserver_pid
+        self._tried = None
         try:
-            data_w = self._request(server, tried)
+            data_w = self._request(server)
         except (EOFError, OSError, ServerHung):
             # The server died (the OOM killer's favourite: it is big and idle) and
             # its pid was not yet reapable when it was checked, or it hung and was
@@ -225,24 +225,25 @@ class _Popen(popen_forkserver.Popen):
             # threads at once: the first to get here starts the new server, the
             # others use it.
             with _State.restart_lock:
-                if server._forkserver_pid == tried:
+                if server._forkserver_pid == self._tried:
                     if not _has_died(server):
                         raise
                     forkserver.start_server(server, preloading=True)
             if self.finalizer is not None:
                 self.finalizer()
                 self.finalizer = None
-            data_w = self._request(server, server._forkserver_pid)
+            data_w = self._request(server)
         # The child exists: it reads what it needs from this pipe. (Written only
         # now: a hung server reads nothing, and a write bigger than the pipe would
         # block before any deadline could be checked.)
         with open(data_w, "wb", closefd=True) as f:
             f.write(buf.getbuffer())
 
-    def _request(self, server, pid):
-        """Ask the server (pid `pid`) for a child; returns our end of the child's
-        data pipe."""
+    def _request(self, server):
+        """Ask the server for a child; returns our end of the child's data pipe."""
         self.sentinel, w = server.connect_to_new_process(self._fds)
+        # read after connecting: connect_to_new_process() starts a server found dead
+        self._tried = pid = server._forkserver_pid
         try:
             # the child learns of our death by EOF on a copy of the data pipe
             parent_w = os.dup(w)
@@ -255,6 +256,7 @@ class _Popen(popen_forkserver.Popen):
                     if server._forkserver_pid == pid:
                         with contextlib.suppress(OSError):
                             os.kill(pid, signal.SIGKILL)   # ours, of no use now
+                        _State.answered.discard(pid)   # a later server may reuse it
                 raise ServerHung(f"fastloader's spawn server (pid {pid}) started no "
                                  f"worker in {timeout:.0f} s and was killed; the next "
                                  "start of workers starts a new one")
