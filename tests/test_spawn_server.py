@@ -359,12 +359,17 @@ def test_exit_handlers_run_in_workers_as_in_spawned_ones(tmp_path):
             batches = epoch(cls(LeavesTidying(), batch_size=2, num_workers=2,
                                 multiprocessing_context="spawn"))
             workers = pids(batches)
+            # The marks come first: atexit runs handlers last-registered first, and
+            # weakref's (which removes the directories) was registered before them.
+            # So wait for both, or for the deadline.
+            def left():
+                return sorted(d for d in os.listdir(".") if d.startswith("tmp"))
             deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and not all(
-                    os.path.exists(f"atexit-{p}") for p in workers):
+            while time.monotonic() < deadline and (left() or not all(
+                    os.path.exists(f"atexit-{p}") for p in workers)):
                 time.sleep(0.05)
             got[name] = {"atexit": [os.path.exists(f"atexit-{p}") for p in workers],
-                         "left": sorted(d for d in os.listdir(".") if d.startswith("tmp"))}
+                         "left": left()}
         got["served"] = spawn_server.server_pid() is not None
         print(json.dumps(got))
     """)
