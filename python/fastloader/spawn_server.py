@@ -215,7 +215,6 @@ class _Popen(popen_forkserver.Popen):
             reduction.dump(process_obj, buf)
         finally:
             _mp_context.set_spawning_popen(None)
-        self._tried = None
         try:
             data_w = self._request(server)
         except (EOFError, OSError, ServerHung):
@@ -241,8 +240,9 @@ class _Popen(popen_forkserver.Popen):
 
     def _request(self, server):
         """Ask the server for a child; returns our end of the child's data pipe."""
+        self._tried = server._forkserver_pid   # the one a failed connect tried
         self.sentinel, w = server.connect_to_new_process(self._fds)
-        # read after connecting: connect_to_new_process() starts a server found dead
+        # and again once connected: connect_to_new_process() starts a server found dead
         self._tried = pid = server._forkserver_pid
         try:
             # the child learns of our death by EOF on a copy of the data pipe
