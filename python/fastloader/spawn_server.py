@@ -36,13 +36,13 @@ import atexit
 import contextlib
 import io
 import os
-import select
 import signal
 import threading
 from multiprocessing import context as _mp_context
 from multiprocessing import forkserver as _mp_forkserver
 from multiprocessing import popen_forkserver, reduction, resource_tracker, spawn, util
 from multiprocessing import process as _mp_process
+from multiprocessing.connection import wait as _wait_fds
 
 from . import forkserver
 from .sharing import default_start_method
@@ -280,11 +280,9 @@ class ServerHung(RuntimeError):
 
 
 def _readable(fd: int, timeout: float) -> bool:
-    # poll, not select: select() cannot take an fd above 1023, which a process
-    # with many open files hands out
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
-    return bool(poller.poll(max(0, int(timeout * 1000))))
+    # multiprocessing's wait polls (as reaper.py's does): select() cannot take an
+    # fd above 1023, which a process with many open files hands out
+    return bool(_wait_fds([fd], timeout))
 
 
 def _has_died(server, timeout: float = 10.0) -> bool:
