@@ -73,7 +73,8 @@ test-compat: install $(CDEPS)
 # CUDA build, run on the CPU; ~4.5 GB) with NumPy 1.26, and the conformance directory
 # runs on it against that torch's own DataLoader, with the same in-place build as
 # test-compat. tests/support/torch_features.py says what is skipped there (what torch
-# 2.1 lacks or gets wrong itself). Not in CI (the download, and ~15 min on 2 cores):
+# 2.1 lacks or gets wrong itself). Not in CI (the download, and ~15 min on 2 cores when
+# it ran in one pytest process):
 # run it after a change to how fastloader follows torch's code.
 OVENV := .venv-oldtorch
 OVPY  := $(OVENV)/bin/python
