@@ -119,13 +119,13 @@ def as_nobody(fn, *args):
     assert os.waitstatus_to_exitcode(status) == 0, "the attacker child failed"
 
 
-def plant(names, payload, size=64 << 20):
+def plant(names, payload, size=64 << 20, directory=SHM):
     """Create each name (if free) as the current user, 0600 so that a permission
     check alone would pass, large enough for any size check, payload at offset 0."""
     planted = []
     for name in names:
         try:
-            fd = os.open(os.path.join(SHM, name),
+            fd = os.open(os.path.join(directory, name),
                          os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         except FileExistsError:
             continue
@@ -465,19 +465,19 @@ def test_sweep_removes_only_dead_owners_regular_files(tmp_path):
     unknown = f"fastloader-{dead}-{tag[8:]}-w0-s5-{'5' * 16}"
     victim = tmp_path / "victim"
     victim.write_text("keep me")
-    plant([stale, live, elsewhere, unknown], b"x", 4096)
-    os.symlink(victim, os.path.join(SHM, link))
-    try:
-        removed = shm_sweep.sweep_dead_loaders()
-        # (under pytest -n, another test process's file_system loader may have swept
-        # it first: its start runs this same sweep)
-        assert stale in removed or not os.path.lexists(os.path.join(SHM, stale))
-        assert not {link, live, elsewhere, unknown} & set(removed)
-        assert os.path.lexists(os.path.join(SHM, link)) and victim.read_text() == "keep me"
-        for name in (live, elsewhere, unknown):
-            assert stat.S_ISREG(os.lstat(os.path.join(SHM, name)).st_mode)
-    finally:
-        remove([stale, link, live, elsewhere, unknown])
+    # A directory of its own: under pytest -n, another test process's file_system
+    # loader runs this same sweep over /dev/shm when it starts, and could take the
+    # stale name first.
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    plant([stale, live, elsewhere, unknown], b"x", 4096, directory=shm)
+    os.symlink(victim, shm / link)
+    removed = shm_sweep.sweep_dead_loaders(str(shm))
+    assert stale in removed and not {link, live, elsewhere, unknown} & set(removed)
+    assert not os.path.lexists(shm / stale)
+    assert os.path.lexists(shm / link) and victim.read_text() == "keep me"
+    for name in (live, elsewhere, unknown):
+        assert stat.S_ISREG(os.lstat(shm / name).st_mode)
 
 
 # The loader runs as a pid that is free in the test's namespace, so that judged by
