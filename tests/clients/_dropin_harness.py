@@ -78,12 +78,28 @@ def _run(cmd, cwd, timeout):
         for p in tree:
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()
+        # SIGKILL is only delivered: a process that left the group can still be
+        # tearing down (its pipes already closed) when communicate() returns
+        _wait_until_dead(tree, deadline=time.monotonic() + 60)
         try:
             stdout, stderr = proc.communicate(timeout=60)
         except subprocess.TimeoutExpired:   # a process we could not see holds the pipes
             proc.kill()
             stdout, stderr = "", "(no output: a process outside the tree holds the pipes)"
         return proc.returncode, stdout, stderr, True
+
+
+def _wait_until_dead(tree, deadline):
+    """Until every process in `tree` has exited (a zombie has: only its parent's
+    wait is left) or the deadline passes."""
+    for p in tree:
+        while time.monotonic() < deadline:
+            try:
+                if p.status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.02)
 
 
 def _tree(pid):

@@ -41,6 +41,35 @@ def test_a_hung_run_reports_every_process_stacks_and_leaves_none(tmp_path):
     assert [p for p in pids if _alive(p)] == []
 
 
+# The process that left the group closes its pipes, then hangs holding 1 GiB of
+# touched memory: killed, it is still freeing that memory (not yet a zombie) when
+# the pipes' EOF lets the harness's communicate() return. CI once caught a
+# killed process in that window.
+DIES_SLOWLY = """
+import mmap, os, time
+child = os.fork()
+if child:
+    print(os.getpid(), child, flush=True)
+    time.sleep(3600)
+os.setsid()
+memory = mmap.mmap(-1, 1 << 30)
+for offset in range(0, len(memory), mmap.PAGESIZE):
+    memory[offset] = 1
+os.close(1)
+os.close(2)
+time.sleep(3600)
+"""
+
+
+def test_a_killed_run_is_dead_when_the_harness_returns_though_it_dies_slowly(tmp_path):
+    returncode, stdout, _stderr, hung = _run([sys.executable, "-c", DIES_SLOWLY],
+                                             str(tmp_path), timeout=15)
+    assert hung and returncode != 0
+    pids = [int(p) for p in stdout.split()]
+    assert len(pids) == 2, stdout
+    assert [p for p in pids if _alive(p)] == []
+
+
 def _alive(pid):
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
