@@ -16,6 +16,7 @@ import fastloader
 from fastloader import doctor
 from fastloader.dataloader import _DEFAULT_STRATEGY
 from tests.support.helpers import unused_pid
+from tests.support.private_shm import run_with_private_dev_shm
 
 SHM = "/dev/shm"
 # Every field a machine reading `--json` may rely on, section by section.
@@ -118,7 +119,14 @@ def test_unknown_command_is_a_usage_error(capsys):
 
 def test_stale_segments_found_and_only_they_cleaned(subprocess_env, tmp_path):
     """Planted segments: detection judged in this process, `--clean` run in a fresh one
-    (which must still see that this process maps one of them)."""
+    (which must still see that this process maps one of them). In a /dev/shm of its
+    own: under pytest -n, another test process's file_system loader sweeps /dev/shm
+    when it starts, and once took the stale fastloader segment before `--clean` did."""
+    run_with_private_dev_shm(_stale_segments_found_and_only_they_cleaned, subprocess_env,
+                             tmp_path)
+
+
+def _stale_segments_found_and_only_they_cleaned(subprocess_env, tmp_path):
     dead = unused_pid()
     # concurrent runs on one machine must not collide; our PID namespace comes first
     tag = fastloader.shm_sweep.pid_namespace() + uuid.uuid4().hex[:10]

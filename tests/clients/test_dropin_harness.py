@@ -33,7 +33,7 @@ child_waits_for_ever()
 
 def test_a_hung_run_reports_every_process_stacks_and_leaves_none(tmp_path):
     returncode, stdout, stderr, hung = _run([sys.executable, "-c", HANGS],
-                                            str(tmp_path), timeout=15)
+                                            str(tmp_path), timeout=10)
     assert hung and returncode != 0
     pids = [int(p) for p in stdout.split()]
     assert len(pids) == 2, stdout
@@ -63,7 +63,7 @@ time.sleep(3600)
 
 def test_a_killed_run_is_dead_when_the_harness_returns_though_it_dies_slowly(tmp_path):
     returncode, stdout, _stderr, hung = _run([sys.executable, "-c", DIES_SLOWLY],
-                                             str(tmp_path), timeout=15)
+                                             str(tmp_path), timeout=10)
     assert hung and returncode != 0
     pids = [int(p) for p in stdout.split()]
     assert len(pids) == 2, stdout

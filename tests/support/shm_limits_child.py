@@ -7,38 +7,25 @@ its exit status) and the mounts never reach the test process.
     python -m tests.support.shm_limits_child SCENARIO [tmpfs size]
 
 Exit status 77: the namespace cannot be made here (not root, no CAP_SYS_ADMIN)."""
-import ctypes
-import ctypes.util
 import json
 import os
 import resource
 import sys
 import time
 
-CLONE_NEWNS = 0x00020000
-MS_REC = 0x4000
-MS_PRIVATE = 1 << 18
+from tests.support.private_shm import mount_private_dev_shm
+
 SKIP = 77
 
 
 def private_shm(size: str) -> None:
-    """Unshare the mount namespace, stop mounts propagating back, and mount a
-    fresh tmpfs of `size` over /dev/shm (only this process and its children see it)."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    libc.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
-    if os.geteuid() != 0:
-        print(json.dumps({"skip": "not root: cannot make a mount namespace"}))
+    """A /dev/shm of this process's own, a fresh tmpfs of `size` (see
+    tests/support/private_shm.py); exit SKIP, saying why, where it cannot be made."""
+    try:
+        mount_private_dev_shm(size)
+    except OSError as exc:
+        print(json.dumps({"skip": str(exc)}))
         sys.exit(SKIP)
-    if libc.unshare(CLONE_NEWNS) != 0:
-        err = ctypes.get_errno()
-        print(json.dumps({"skip": f"unshare(CLONE_NEWNS): {os.strerror(err)}"}))
-        sys.exit(SKIP)
-    for args in ((None, b"/", None, MS_REC | MS_PRIVATE, None),
-                 (b"tmpfs", b"/dev/shm", b"tmpfs", 0, f"size={size},mode=1777".encode())):
-        if libc.mount(*args) != 0:
-            err = ctypes.get_errno()
-            print(json.dumps({"skip": f"mount {args[1]!r}: {os.strerror(err)}"}))
-            sys.exit(SKIP)
 
 
 def fill_shm(leave: int = 0) -> None:

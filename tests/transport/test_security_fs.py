@@ -33,6 +33,7 @@ from tests.support.helpers import (
     unused_pid,
     wait_until,
 )
+from tests.support.private_shm import run_with_private_dev_shm
 
 SHM = "/dev/shm"
 NOBODY = 65534
@@ -414,10 +415,15 @@ def _group_killed_leftovers(env):
     return left
 
 
-def test_group_sigkill_leftovers_are_swept(subprocess_env, tmp_path):
+def test_group_sigkill_leftovers_are_swept(subprocess_env):
     """Leftovers of a SIGKILLed group are removed by the next file_system loader's
     start, and by `doctor --clean`; a live process's segment and another user's
-    never are."""
+    never are. In a /dev/shm of its own: under pytest -n, another test process's
+    file_system loader could sweep the leftovers first."""
+    run_with_private_dev_shm(_group_sigkill_leftovers_are_swept, subprocess_env)
+
+
+def _group_sigkill_leftovers_are_swept(subprocess_env):
     dead = unused_pid()
     tag = ns_tag()
     live = f"fastloader-{os.getpid()}-{tag}-w0-s0-{'0' * 16}"   # a live loader's
