@@ -16,6 +16,9 @@ Steps, in order (``--only`` picks a subset):
                 (benchmarks.startup)
     short_epoch 10-batch epochs with non-persistent workers: iter(), first
                 batch, teardown, whole epoch, fork and spawn (benchmarks.short_epoch)
+    error_epoch an epoch that ends in a dataset error the loop catches: the
+                error's arrival and the garbage collection that frees the
+                iterator (benchmarks.error_epoch)
     charts      throughput.png, scaling.png, memory.png (benchmarks.charts)
 
 Writes ``summary.json`` and the PNGs into ``--out-dir`` (default
@@ -32,10 +35,10 @@ import time
 
 import torch
 
-from benchmarks import charts, memory, scaling, short_epoch, startup, throughput
+from benchmarks import charts, error_epoch, memory, scaling, short_epoch, startup, throughput
 from benchmarks.harness import json_record, progress, write_json
 
-STEPS = ("throughput", "scaling", "memory", "startup", "short_epoch", "charts")
+STEPS = ("throughput", "scaling", "memory", "startup", "short_epoch", "error_epoch", "charts")
 
 
 def _steps(text):
@@ -137,6 +140,13 @@ def main(argv=None):
         sections.append("## Short epochs (non-persistent workers)\n\n"
                         + short_epoch.render_report(document["results"], step_args.repeats,
                                                     step_args.chain))
+
+    if "error_epoch" in args.only:
+        step_args = error_epoch.parse_args(["--quick"] if args.quick else [])
+        results = error_epoch.measure(step_args.repeats, step_prefix="error_epoch ")
+        summary["error_epoch"] = {"repeats": step_args.repeats, "results": results}
+        sections.append("## An epoch that ends in a caught dataset error\n\n"
+                        + error_epoch.render_report(results, step_args.repeats))
 
     summary_path = os.path.join(args.out_dir, "summary.json")
     if "charts" in args.only:
