@@ -10,7 +10,9 @@ index per host, and after one rank is SIGKILLed mid-epoch and torchrun restarts
 the group (--max-restarts=1), resuming from loader.state_dict() yields exactly
 the batches of the uninterrupted run. Needs root and iproute2's `ip`; skips,
 saying why, where namespaces cannot be made."""
+import contextlib
 import ctypes
+import fcntl
 import json
 import os
 import shutil
@@ -55,6 +57,19 @@ def _kill_processes_in(ns):
 def _delete_namespace(ns):
     _kill_processes_in(ns)
     sh("ip", "netns", "del", ns, check=False)
+
+
+@contextlib.contextmanager
+def _dead_run_cleanup_lock():
+    """Held around each removal of dead runs' namespaces, and by the test that plants
+    one and removes it: under pytest -n each test process runs the `jobs` fixture's
+    removal, which could take the planted namespace before its process entered it."""
+    with open("/tmp/fastloader-tests-netns-cleanup.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _remove_namespaces_of_dead_runs():
@@ -213,7 +228,8 @@ def jobs(tmp_path_factory):
     why_not = _why_not()
     if why_not:
         pytest.skip(why_not)
-    _remove_namespaces_of_dead_runs()
+    with _dead_run_cleanup_lock():
+        _remove_namespaces_of_dead_runs()
     out_dir = tmp_path_factory.mktemp("multinode")
     runs = {}
     with TwoHosts(str(out_dir)) as hosts:
@@ -330,20 +346,21 @@ def test_namespace_of_a_dead_run_is_removed_with_its_processes():
         pytest.skip(why_not)
     dead = next(p for p in range(4_000_000, 300, -1) if not os.path.exists(f"/proc/{p}"))
     ns = f"{NS_PREFIX}{dead}-z"
-    sh("ip", "netns", "add", ns)
-    # what a run killed outright leaves: its namespace, and a process still in it
-    orphan = subprocess.Popen(["ip", "netns", "exec", ns, "sleep", "600"],
-                              start_new_session=True)
-    try:
-        deadline = time.monotonic() + 20
-        while not sh("ip", "netns", "pids", ns, check=False).stdout.split():
-            assert time.monotonic() < deadline, "sleep never entered the namespace"
-            time.sleep(0.05)
-        _remove_namespaces_of_dead_runs()
-        assert ns not in sh("ip", "netns", "list", check=False).stdout.split()
-        assert orphan.wait(timeout=20) == -signal.SIGKILL
-    finally:
-        if orphan.poll() is None:
-            orphan.kill()
-            orphan.wait()
-        sh("ip", "netns", "del", ns, check=False)
+    with _dead_run_cleanup_lock():
+        sh("ip", "netns", "add", ns)
+        # what a run killed outright leaves: its namespace, and a process still in it
+        orphan = subprocess.Popen(["ip", "netns", "exec", ns, "sleep", "600"],
+                                  start_new_session=True)
+        try:
+            deadline = time.monotonic() + 20
+            while not sh("ip", "netns", "pids", ns, check=False).stdout.split():
+                assert time.monotonic() < deadline, "sleep never entered the namespace"
+                time.sleep(0.05)
+            _remove_namespaces_of_dead_runs()
+            assert ns not in sh("ip", "netns", "list", check=False).stdout.split()
+            assert orphan.wait(timeout=20) == -signal.SIGKILL
+        finally:
+            if orphan.poll() is None:
+                orphan.kill()
+                orphan.wait()
+            sh("ip", "netns", "del", ns, check=False)

@@ -17,10 +17,12 @@ import pytest
 from fastloader import DataLoader, reaper
 from tests.support import datasets as ds
 from tests.support import reliability_datasets as rd
-from tests.support.fault_helpers import QUIET_WORKER_COUNT_WARNING, STRATEGIES, run_script
+from tests.support.fault_helpers import (
+    QUIET_WORKER_COUNT_WARNING, STRATEGIES, _my_shm, run_script,
+)
 from tests.support.helpers import (
     assert_no_shm_left, deadline, is_gone, is_reaped, loader_children, num_fds, num_maps,
-    settle, shm_left, shm_names, wait_until,
+    settle, shm_names, wait_until,
 )
 
 pytestmark = [QUIET_WORKER_COUNT_WARNING]
@@ -97,8 +99,9 @@ def test_many_short_epochs_leave_nothing_behind():
     assert fds1 - fds0 <= 2, f"fds grew from {fds0} to {fds1}"
     assert maps1 - maps0 <= 8, f"mappings grew from {maps0} to {maps1}"
     assert threads1 <= threads0, f"threads grew from {threads0} to {threads1}"
-    # ours only: another suite on the box may hold segments of its own meanwhile
-    left = shm_left(shm0)
+    # this process's names only: another test process (pytest -n) or suite on the box
+    # may hold segments of its own meanwhile, or a killed one's leftovers for a moment
+    left = _my_shm() - shm0
     assert not left, sorted(left)
     # a worker unreaped would pile up (400 over the run); the reaper runs off the
     # loop's path, so on a loaded box a few epochs' workers may wait for it at once
@@ -129,7 +132,7 @@ def test_interpreter_exit_right_after_an_epoch(subprocess_env, how):
     shm_before = shm_names()
     loop_end = "pass" if how == "exhaust" else "break"
     result = run_script(f"""
-        import functools
+        import functools, os
         from fastloader import DataLoader
         from tests.support.reliability_datasets import SmallDataset, slow_exit_init
         pids = []
@@ -142,15 +145,18 @@ def test_interpreter_exit_right_after_an_epoch(subprocess_env, how):
             for batch in it:
                 {loop_end}
             del it, batch
-        print(" ".join(map(str, pids)), flush=True)
+        print(os.getpid(), " ".join(map(str, pids)), flush=True)
     """, subprocess_env)
     assert result.returncode == 0, result.stderr
     assert result.stderr == "", f"output at exit:\n{result.stderr}"
-    pids = [int(p) for p in result.stdout.split()]
+    script, *pids = [int(p) for p in result.stdout.split()]
     assert len(pids) == 4, result.stdout
     # gone when the interpreter is: exit waited for them
     assert all(is_gone(p) for p in pids), [p for p in pids if not is_gone(p)]
-    assert_no_shm_left(shm_before, timeout=0)
+    # and so are its segments, at once (its names carry its pid: another test
+    # process's leftovers of a killed loader may be there for a moment)
+    left = _my_shm(script) - shm_before
+    assert not left, sorted(left)
 
 
 @pytest.mark.parametrize("how", ["epoch ended", "break"])

@@ -20,7 +20,7 @@ import psutil
 import torch
 
 from fastloader import _core, reaper
-from fastloader.sharing import NAME_ROOT, parse_segment_name
+from fastloader.sharing import NAME_ROOT, parse_segment_name, pid_namespace
 
 SHM_GLOB = f"/dev/shm/{NAME_ROOT}-*"
 
@@ -355,11 +355,15 @@ def shm_names():
 
 def _foreign(path):
     """Best effort on a shared machine: a name embedding the pid of a live process that
-    is neither us nor one of our descendants belongs to someone else's session.
-    Names without a pid, or with a dead pid (a crash leftover), always count."""
+    is neither us nor one of our descendants belongs to someone else's session, and
+    so does a name of another PID namespace (its pid means nothing to our /proc: a
+    test's loader in a namespace of its own, run by another test process). Names
+    without a pid, or with a dead pid of ours (a crash leftover), always count."""
     parsed = parse_segment_name(os.path.basename(path))
     if parsed is None:
         return False
+    if parsed.namespace is not None and parsed.namespace != pid_namespace():
+        return True
     pid = parsed.pid
     if pid == os.getpid() or pid in loader_children() or is_gone(pid):
         return False
@@ -388,8 +392,6 @@ def settle():
 def assert_names_dead_worker(error, worker_id, pid, cause):
     """A worker death is reported as WorkerError (a RuntimeError) naming the worker,
     its pid and the cause (signal name or exit code)."""
-    import re
-
     from fastloader import WorkerError
 
     message = str(error)
