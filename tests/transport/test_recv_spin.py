@@ -96,13 +96,17 @@ def test_ctrl_c_during_a_spin_is_raised_when_the_spin_ends_not_a_sleep_later(pai
     be raised before sleeping, not at the end of the poll's 100 ms slice."""
     main, _worker = pair
     spin_s = 0.3
-    timer = interrupt_main_thread_after(0.05)
-    started = time.perf_counter()
-    with pytest.raises(KeyboardInterrupt):
-        _core.recv((main,), 0, 30.0, True, int(spin_s * 1e9))
-    took = time.perf_counter() - started
-    timer.join()
-    assert took < spin_s + 0.08, took   # one slice later would be spin_s + 0.1
+    took = []
+    # Up to 3 tries: raised a slice late, every try would be; a try that another
+    # process's load preempted for 80 ms is not that (CI runs two test processes).
+    while len(took) < 3 and (not took or min(took) >= spin_s + 0.08):
+        timer = interrupt_main_thread_after(0.05)
+        started = time.perf_counter()
+        with pytest.raises(KeyboardInterrupt):
+            _core.recv((main,), 0, 30.0, True, int(spin_s * 1e9))
+        took.append(time.perf_counter() - started)
+        timer.join()
+    assert min(took) < spin_s + 0.08, took   # one slice later would be spin_s + 0.1
 
 
 def test_recv_refuses_a_wrong_number_of_arguments(pair):
