@@ -32,11 +32,7 @@ child_waits_for_ever()
 
 
 def test_a_hung_run_reports_every_process_stacks_and_leaves_none(tmp_path):
-    returncode, stdout, stderr, hung = _run([sys.executable, "-c", HANGS],
-                                            str(tmp_path), timeout=10)
-    assert hung and returncode != 0
-    pids = [int(p) for p in stdout.split()]
-    assert len(pids) == 2, stdout
+    pids, stderr = _hung_run(HANGS, tmp_path)
     assert "parent_waits_for_ever" in stderr and "child_waits_for_ever" in stderr, stderr
     assert [p for p in pids if _alive(p)] == []
 
@@ -62,12 +58,19 @@ time.sleep(3600)
 
 
 def test_a_killed_run_is_dead_when_the_harness_returns_though_it_dies_slowly(tmp_path):
-    returncode, stdout, _stderr, hung = _run([sys.executable, "-c", DIES_SLOWLY],
-                                             str(tmp_path), timeout=10)
+    pids, _stderr = _hung_run(DIES_SLOWLY, tmp_path)
+    assert [p for p in pids if _alive(p)] == []
+
+
+def _hung_run(script, tmp_path):
+    """Run `script` (which prints its two pids, then hangs) under the harness with a
+    10 s timeout: (the pids, its stderr)."""
+    returncode, stdout, stderr, hung = _run([sys.executable, "-c", script], str(tmp_path),
+                                            timeout=10)
     assert hung and returncode != 0
     pids = [int(p) for p in stdout.split()]
     assert len(pids) == 2, stdout
-    assert [p for p in pids if _alive(p)] == []
+    return pids, stderr
 
 
 def _alive(pid):
