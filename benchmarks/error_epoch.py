@@ -36,7 +36,6 @@ collection happens where it is timed.
 
 import argparse
 import gc
-import statistics
 import sys
 import time
 import warnings
@@ -44,7 +43,7 @@ import warnings
 import torch
 
 from benchmarks.datasets import TinyDataset
-from benchmarks.harness import markdown_table, positive_int, progress, write_json
+from benchmarks.harness import Stats, markdown_table, positive_int, progress, write_json
 
 WORKERS = 2
 BATCH = 64
@@ -131,18 +130,13 @@ def measure(repeats, step_prefix=""):
 def render_report(results, repeats):
     headers = ["loader", "error reaches the loop, ms", "except block left, ms",
                "next full gc, ms", "one more full gc, ms"]
-    rows = [[name] + [_ms(parts[part]) for part in PARTS] for name, parts in results.items()]
+    rows = [[name] + [Stats.of(parts[part]).ms() for part in PARTS] for name, parts in results.items()]
     note = (f"\nTiny samples, batch {BATCH}, {WORKERS} fork workers; a sample of batch "
             f"{FAILING_BATCH} raises and the loop catches it. Medians (min-max) over {repeats} "
-            "alternating repeat(s) in one process, a 20 ms step after each batch. One more "
+            f"alternating repeat(s) in one process, a {STEP_S * 1e3:.0f} ms step after each batch. One more "
             "full collection, with nothing of the epoch left to free, is what any "
             "collection costs here.")
     return markdown_table(headers, rows, align="lrrrr") + note
-
-
-def _ms(values):
-    return (f"{statistics.median(values) * 1e3:.1f} "
-            f"({min(values) * 1e3:.1f}-{max(values) * 1e3:.1f})")
 
 
 def parse_args(argv):

@@ -108,6 +108,10 @@ class Stats:
         values = list(values)
         return cls(statistics.median(values), min(values), max(values))
 
+    def ms(self):
+        """'median (low-high)' in milliseconds, for seconds measured."""
+        return f"{self.median * 1e3:.1f} ({self.low * 1e3:.1f}-{self.high * 1e3:.1f})"
+
 
 def iter_tensors(batch):
     """Yield every tensor in a (possibly nested) collated batch."""

@@ -204,8 +204,7 @@ def verdict(method_result):
 
 
 def _ms(values):
-    s = Stats.of(values)
-    return f"{s.median * 1e3:.1f} ({s.low * 1e3:.1f}-{s.high * 1e3:.1f})"
+    return Stats.of(values).ms()
 
 
 def render_report(results, repeats, chain):
