@@ -11,6 +11,16 @@ CFLAGS_STRICT := FASTLOADER_WERROR=1
 # suite in one process (test-asan always does).
 TEST_JOBS ?= 2
 PYTEST_JOBS := -n $(TEST_JOBS)
+# pip byte-compiles what it installs one file at a time: 43 of the 67 s that .venv's
+# install took here. PIP_INSTALL installs with --no-compile and $(call compile_site,PY)
+# then compiles that interpreter's site-packages on every CPU, which leaves the same
+# .pyc files in about half the time (67 -> 44 s for .venv, 54 -> 45 s for
+# .venv-compat). Files that do not compile are skipped, as pip skips them: torch ships
+# some for newer Pythons only (torch/testing/_internal/py312_intrinsics.py) that are
+# never imported here.
+PIP_INSTALL := -m pip install -q --disable-pip-version-check --no-compile
+compile_site = $(1) -c "import compileall, sysconfig; \
+	compileall.compile_dir(sysconfig.get_paths()['purelib'], quiet=2, workers=0)"
 
 .PHONY: all install test test-compat test-oldtorch test-torch bench bench-ffcv test-asan leakcheck clean
 
@@ -20,8 +30,8 @@ all: test
 # datasets, pandas, ...), resolved on the same pip command line as the torch pin.
 $(DEPS): requirements-dev.txt requirements-clients.txt
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
-	$(VPY) -m pip install -q --disable-pip-version-check \
-		-r requirements-dev.txt -r requirements-clients.txt
+	$(VPY) $(PIP_INSTALL) -r requirements-dev.txt -r requirements-clients.txt
+	$(call compile_site,$(VPY))
 	touch $@
 
 # The extension is always rebuilt with -Wall -Wextra -Werror.
@@ -47,7 +57,8 @@ test: install
 # separated) imported to check it, and python/ on its path by a .pth file.
 define side_venv
 	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
-	$(1)/bin/python -m pip install -q --disable-pip-version-check --no-deps -r $(2)
+	$(1)/bin/python $(PIP_INSTALL) --no-deps -r $(2)
+	$(call compile_site,$(1)/bin/python)
 	$(1)/bin/python -c "import $(subst $(space),$(comma) ,$(strip $(3)))"
 	$(1)/bin/python -c "import sysconfig; open(sysconfig.get_paths()['purelib'] \
 		+ '/fastloader-source.pth', 'w').write('$(CURDIR)/python\n')"
@@ -96,8 +107,8 @@ TVENV := .venv-torch-$(TORCH)
 test-torch: install
 	@test -n "$(TORCH)" || { echo "usage: make test-torch TORCH=<version>"; exit 2; }
 	test -x $(TVENV)/bin/python || $(PYTHON) -m venv $(TVENV)
-	$(TVENV)/bin/python -m pip install -q --disable-pip-version-check \
-		"torch==$(TORCH)" numpy psutil pytest pytest-xdist
+	$(TVENV)/bin/python $(PIP_INSTALL) "torch==$(TORCH)" numpy psutil pytest pytest-xdist
+	$(call compile_site,$(TVENV)/bin/python)
 	$(TVENV)/bin/python -c "import sysconfig; open(sysconfig.get_paths()['purelib'] \
 		+ '/fastloader-source.pth', 'w').write('$(CURDIR)/python\n')"
 	$(TVENV)/bin/python -c "import fastloader._core as c, torch; \
@@ -109,8 +120,8 @@ BENCH_DEPS := $(VENV)/.bench-deps-stamp
 # requirements-dev.txt rides along for its torch==2.13.0 pin: torchdata and SPDL must
 # resolve against that torch, not pull another build.
 $(BENCH_DEPS): requirements-bench.txt requirements-dev.txt $(DEPS)
-	$(VPY) -m pip install -q --disable-pip-version-check \
-		-r requirements-dev.txt -r requirements-bench.txt
+	$(VPY) $(PIP_INSTALL) -r requirements-dev.txt -r requirements-bench.txt
+	$(call compile_site,$(VPY))
 	touch $@
 
 # The headline benchmark: every workload against torch's DataLoader and the peers
@@ -135,8 +146,8 @@ $(FDEPS): requirements-ffcv.txt requirements-dev.txt
 		|| (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 			apt-get install -y -qq $(FFCV_APT) >/dev/null)
 	test -x $(FVPY) || $(PYTHON) -m venv $(FVENV)
-	$(FVPY) -m pip install -q --disable-pip-version-check \
-		-r requirements-dev.txt -r requirements-ffcv.txt
+	$(FVPY) $(PIP_INSTALL) -r requirements-dev.txt -r requirements-ffcv.txt
+	$(call compile_site,$(FVPY))
 	touch $@
 
 # Like `install`, fastloader is rebuilt (-Werror) on every run; `make bench-ffcv
