@@ -68,16 +68,14 @@ def main():
         train(mode, out)
         ranks = [torch.load(os.path.join(out, "rank0.pt"), weights_only=False)]
     else:
-        import socket
-
         from accelerate import notebook_launcher
 
-        # a free port, not the default 29500: another job on the box (a second
-        # test run) may hold that one ("EADDRINUSE")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        notebook_launcher(train, args=(mode, out), num_processes=2, use_port=str(port))
+        from tests.support.ports import unclaimed_port
+
+        # not the default 29500: another job on the box (a second test run) may hold
+        # that one ("EADDRINUSE")
+        notebook_launcher(train, args=(mode, out), num_processes=2,
+                          use_port=str(unclaimed_port()))
         ranks = [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False)
                  for r in range(2)]
     torch.save({"ranks": ranks, "main_pid": os.getpid()}, os.path.join(out, "result.pt"))

@@ -9,7 +9,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,15 +16,10 @@ import time
 import pytest
 
 from tests.support import helpers
+from tests.support.ports import unclaimed_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 N = 2000   # items in the scenarios' arrays (tests/support/multinode_share.py)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(scenario, world, out_dir, tag="job", wrap=None, timeout=150):
@@ -35,7 +29,7 @@ def run_ranks(scenario, world, out_dir, tag="job", wrap=None, timeout=150):
     for old in out_dir.glob("*.json"):
         old.unlink()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "python"), ROOT]),
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(unclaimed_port()),
                GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     procs = []
     try:
