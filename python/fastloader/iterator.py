@@ -26,7 +26,6 @@ from . import sampler_generators
 from . import stats as _stats
 from . import torch_sites
 from .distributed import rank_info
-from .early_task import EarlyFirstTask
 from .index_batches import as_list, sequential_batches
 from .main_spin import MainSpin
 from .metadata_warning import warn_if_heavy_metadata
@@ -171,16 +170,10 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             for wid in range(self._num_workers)
         ]
         window = max(1 << 20, 4 * max_tasks * _task_bytes_estimate(loader))
-        # batch 0's task reaches worker 0 while the others are forked (early_task.py)
-        self._early = None
-        if resume_state is None and type(self) is FastMultiProcessingIter:
-            self._early = EarlyFirstTask.for_epoch(
-                self._index_sampler, context.get_start_method(), self._num_workers,
-                self._in_order, self._dataset_kind == _DatasetKind.Map)
         self._pool = WorkerPool(
             context, specs, self.sharing_strategy,
             task_capacity=max(window, _TASK_RING_BYTES), result_capacity=max_tasks + 2,
-            task_window=window, after_start=self._early and self._early.send)
+            task_window=window)
         self._channels = self._pool.channel_tuple
         self._reset(loader, first_iter=True)
 
@@ -253,10 +246,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             self.__class__ = _LengthCheckedIter if checks_length else FastMultiProcessingIter
         # torch's default unshuffled sampler: the same batches as ranges (no int
         # object per index in the main process; see index_batches.py)
-        early, self._early = self.__dict__.get("_early"), None
-        ranges = early.batches() if early is not None else sequential_batches(self._index_sampler)
-        # batch 0's task, if it is in worker 0's ring already (_offer skips it)
-        self._sent_early = early is not None and early.sent
+        ranges = sequential_batches(self._index_sampler)
         self._sends_ranges = ranges is not None
         self._sampler_iter = ranges or self._sampler_iter
         self._epoch = self._session.begin_epoch()
@@ -552,10 +542,6 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         True once it is there, or its error is in the batch's place; False if the
         ring has no room for it yet."""
         seq, index, pickled = task
-        if self._sent_early and seq == 0 and wid == 0:
-            # the epoch's first task: batch 0's, sent to worker 0 as it started
-            self._sent_early = False
-            return True
         ch = self._channels[wid]
         try:
             if pickled is None:

@@ -235,10 +235,7 @@ def _reaper_thread_is_fork_safe(method):
 
 class WorkerPool:
     def __init__(self, context, specs, strategy: str, task_capacity: int,
-                 result_capacity: int, task_window: int = 0, after_start=None):
-        # after_start(worker_id, channel): called once each worker started one at a
-        # time (fork) runs, before the next one is forked (early_task.py)
-        self._after_start = after_start
+                 result_capacity: int, task_window: int = 0):
         self.owner_pid = os.getpid()
         self.strategy_name = sharing.check_strategy(strategy)
         self.prefix = sharing.loader_prefix(self.owner_pid)
@@ -285,8 +282,6 @@ class WorkerPool:
             for spec in specs:
                 proc = self._prepare(context, spec, strategy, rings)
                 self._launch([proc], method)
-                if self._after_start is not None:
-                    self._after_start(spec.worker_id, self.channels[-1])
             return
         # spawn/forkserver: Process.start() writes the pickled dataset into a pipe
         # that the child reads only after importing the main module (seconds,
