@@ -20,6 +20,12 @@ def unclaimed_port():
         ephemeral = int(f.read().split()[0])
     low = 10000
     span = ephemeral - low
+    if span < 1000:
+        # an ephemeral range that starts low (1024-65535 on some systems) leaves no
+        # such ports: take one the kernel hands out, as a bind to port 0 does
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
     start = (os.getpid() * 7919 + next(_CALLS) * 1009) % span
     for step in range(span):
         port = low + (start + step) % span
