@@ -14,7 +14,7 @@ PYTEST_JOBS := -n $(TEST_JOBS)
 # pip byte-compiles what it installs one file at a time: 43 of the 67 s that .venv's
 # install took here. PIP_INSTALL installs with --no-compile and $(call compile_site,PY)
 # then compiles that interpreter's site-packages on every CPU, which leaves the same
-# .pyc files in about half the time (67 -> 44 s for .venv, 54 -> 45 s for
+# .pyc files in less time (67 -> 46 s for .venv, 54 -> 45 s for
 # .venv-compat). Files that do not compile are skipped, as pip skips them: torch ships
 # some for newer Pythons only (torch/testing/_internal/py312_intrinsics.py) that are
 # never imported here.

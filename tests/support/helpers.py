@@ -211,16 +211,22 @@ def _shut_down_torchs(iterator):
 
 # ---- processes, fds, mappings, /dev/shm -------------------------------------------
 
-def unused_pid():
+def unused_pid(long_unused=False):
     """A pid no process has now, and the last one the kernel would hand out: pids
     are given upwards from the last one given, wrapping at pid_max, so the free pid
     just below it is reached last (one near pid_max may be the very next, once the
-    counter is near the top after many processes)."""
+    counter is near the top after many processes).
+
+    long_unused: one half the range behind instead, given about as many processes
+    ago as it will be given again (minutes of a busy test run either way): a pid
+    given moments ago may be a killed loader's of another test, whose leftover
+    segments a sweep rightly takes."""
     with open("/proc/sys/kernel/pid_max") as f:
         pid_max = int(f.read())
     with open("/proc/sys/kernel/ns_last_pid") as f:
         last = int(f.read())
-    for back in range(1, pid_max):
+    first_back = pid_max // 2 if long_unused else 1
+    for back in range(first_back, first_back + pid_max):
         pid = (last - back) % pid_max
         if pid > 300 and not os.path.exists(f"/proc/{pid}"):
             return pid

@@ -521,29 +521,6 @@ print("ok", seen, flush=True)
 """
 
 
-def _pid_far_from_use_here():
-    """A pid free in this namespace that the kernel last gave here, and will next give,
-    as long ago and as far ahead as it can be. It gives pids in increasing order from
-    the last one it gave and wraps at pid_max to 300, so the pid half the range behind
-    that last one was given about as many processes ago as it will be given again:
-    minutes of a busy test run either way, not the seconds this test takes. A free pid
-    merely picked low (400, say) is the first one given after a wrap, and the test would
-    see its namespaced loader's pid "taken here meanwhile"; one given moments ago could
-    be a killed loader's of another test, whose stale segments the sweep rightly takes."""
-    with open("/proc/sys/kernel/pid_max") as f:
-        pid_max = int(f.read())
-    with open("/proc/sys/kernel/ns_last_pid") as f:
-        last = int(f.read())
-    first = 300   # the kernel's first pid after a wrap (RESERVED_PIDS)
-    span = pid_max - first
-    middle = first + (last - first - span // 2) % span
-    for step in range(span):
-        pid = first + (middle - first + (step // 2 if step % 2 else -(step // 2))) % span
-        if not os.path.exists(f"/proc/{pid}"):
-            return pid
-    pytest.skip("no free pid in this namespace")
-
-
 def test_sweep_leaves_a_live_loader_of_another_pid_namespace_alone(subprocess_env):
     """A file_system loader in its own PID namespace (a container with --ipc=host) whose
     pid is free here: the host's start-up sweep and `doctor --clean` leave its segments
@@ -554,7 +531,7 @@ def test_sweep_leaves_a_live_loader_of_another_pid_namespace_alone(subprocess_en
     if probe.returncode != 0:
         pytest.skip(f"cannot create a PID namespace: {probe.stderr.decode().strip()}")
     proc = subprocess.Popen(["unshare", "-pf", "--mount-proc", sys.executable, "-c",
-                             _NAMESPACED_LOADER, str(_pid_far_from_use_here())],
+                             _NAMESPACED_LOADER, str(unused_pid(long_unused=True))],
                             env=subprocess_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
