@@ -172,13 +172,13 @@ def test_a_pool_the_reaper_gives_up_on_is_counted_off(monkeypatch):
     monkeypatch.setattr(pool.WorkerPool, "step", step_fails)
     channels = list(it._pool.channels)
     fds = {fd for ch in channels for fd in ch.main_fds() if fd >= 0}
-    assert fds and fds <= pool.MAIN_FDS
+    assert fds and fds <= pool.main_fds()
     it._pool.retire(timeout=5.0)
     assert reaper.wait_idle(30)
     assert pool.live_workers() == base
     # its channels are released: no number of theirs is left for a later worker
     # to close (by then it may be a dataset's file)
-    assert all(ch.closed for ch in channels) and not fds & pool.MAIN_FDS
+    assert all(ch.closed for ch in channels) and not fds & pool.main_fds()
     monkeypatch.undo()
     for proc in procs:   # nobody reaps it now: do it here (no zombie)
         proc.join(30)
@@ -244,7 +244,7 @@ def test_an_interrupted_release_of_the_channels_is_finished_by_the_next(monkeypa
     workers.channels[1] = channels[1]
     it._shutdown_workers()
     assert all(ch.closed for ch in channels)
-    assert not {fd for ch in channels for fd in ch.main_fds()} & pool.MAIN_FDS - {-1}
+    assert not {fd for ch in channels for fd in ch.main_fds()} & pool.main_fds() - {-1}
     assert pool.live_workers() == base
 
 

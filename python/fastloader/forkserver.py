@@ -31,6 +31,7 @@ from multiprocessing import context as _mp_context
 from multiprocessing import forkserver as _mp_forkserver
 from multiprocessing import resource_tracker, util
 
+from .per_process import PerProcess
 from .sharing import resolve_start_method
 from .sigint import DeferredCtrlC
 from .start_state import start_state
@@ -43,18 +44,15 @@ _ENV = "FASTLOADER_FORKSERVER_PRELOAD"
 class _Warmed:
     """The server warm_up() started, until workers are first started from it."""
 
-    lock = threading.Lock()
-    pid = None
-    state = None   # start_state() when it started
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.pid = None
+        self.state = None   # start_state() when it started
 
 
-def _forget_warmed_in_child() -> None:
-    # a forked child shares the parent's server, which is not its to replace
-    _Warmed.lock = threading.Lock()
-    _Warmed.pid = _Warmed.state = None
-
-
-os.register_at_fork(after_in_child=_forget_warmed_in_child)
+# This process's: a forked child shares the parent's server, which is not its to
+# replace (per_process.py)
+_WARMED = PerProcess(_Warmed)
 
 
 def _server():
@@ -103,8 +101,9 @@ def warm_up(context, num_workers: int) -> None:
         resource_tracker.ensure_running()
         state = start_state()
         start_server(_server(), preloading=True)
-        with _Warmed.lock:
-            _Warmed.pid, _Warmed.state = server_pid(), state
+        warmed = _WARMED.get()
+        with warmed.lock:
+            warmed.pid, warmed.state = server_pid(), state
 
 
 def ensure_running() -> None:
@@ -129,9 +128,10 @@ def _replace_if_stale(server) -> None:
     # torch, and would be lost). The lock is held throughout, so that another
     # loader's first iter() waits for the new server instead of connecting to the
     # old one.
-    with _Warmed.lock:
-        pid, state = _Warmed.pid, _Warmed.state
-        _Warmed.pid = _Warmed.state = None
+    warmed = _WARMED.get()
+    with warmed.lock:
+        pid, state = warmed.pid, warmed.state
+        warmed.pid = warmed.state = None
         if pid is None or pid != server_pid() or start_state() == state:
             return
         with server._lock:   # what ensure_running() does for a server found dead

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from . import _core, forkserver, payload, reaper, sharing, shm_sweep, spawn_server, torch_sites
+from .per_process import PerProcess
 from .fork_prep import prepare_for_fork
 from .distributed import rank_info
 from .packed import loader_strategy, starting_strategy
@@ -37,57 +38,57 @@ from .warn_site import stacklevel_outside
 from .worker import worker_main
 from .worker_process import WorkerProcess
 
-# Main-process ends of live channels: a worker forked later is told to close them
-# at start (worker_main's inherited_fds). In a forked child they are no longer
-# ours to list: a loader the child makes must not pass them on.
-MAIN_FDS: set = set()
-os.register_at_fork(after_in_child=MAIN_FDS.clear)
+class _Live:
+    """This process's pools, the fds of their channels and the count of their
+    workers. One per process (per_process.py): a forked child starts with none
+    of its own, the parent's are never the child's to list, stop or count, and
+    locks that fork copied held by another thread (the reaper's) are not used."""
 
-_LIVE_POOLS: "weakref.WeakSet[WorkerPool]" = weakref.WeakSet()
-# re-entrant: a signal handler that shuts a loader down may run while this thread
-# holds it
-_LIVE_LOCK = threading.RLock()
+    def __init__(self):
+        # Main-process ends of live channels: a worker forked later is told to
+        # close them at start (worker_main's inherited_fds).
+        self.main_fds: set = set()
+        self.pools: "weakref.WeakSet[WorkerPool]" = weakref.WeakSet()
+        # re-entrant: a signal handler that shuts a loader down may run while this
+        # thread holds it
+        self.lock = threading.RLock()
+        # The workers of this process's pools, from their start until they are
+        # reaped: the main process's spin rule (main_spin.py) reads it per batch,
+        # so it is one int, not a walk over the pools. Counted off where a pool
+        # leaves `pools` (shut down, or reaped by the reaper thread), not when it
+        # is collected: a collected iterator hands its pool to the reaper, whose
+        # workers run on until reaped. A pool leaked without either stays counted:
+        # the spin then stays off, which costs speed, never CPU taken from a
+        # worker. (One the reaper gives up on is counted off: see abandon().)
+        self.workers = 0
+        # re-entrant: a signal handler (or, from 3.12, a collection) that shuts a
+        # loader down may run between the lines of _count_workers, on the same
+        # thread
+        self.count_lock = threading.RLock()
 
-# The workers of this process's pools, from their start until they are reaped:
-# the main process's spin rule (main_spin.py) reads it per batch, so it is one
-# int, not a walk over the pools. Counted off where a pool leaves _LIVE_POOLS
-# (shut down, or reaped by the reaper thread), not when it is collected: a
-# collected iterator hands its pool to the reaper, whose workers run on until
-# reaped. A pool leaked without either stays counted: the spin then stays off,
-# which costs speed, never CPU taken from a worker. (One the reaper gives up on is
-# counted off: see abandon().)
-_live_workers = 0
-# re-entrant: a signal handler (or, from 3.12, a collection) that shuts a loader
-# down may run between the lines below, on the same thread
-_COUNT_LOCK = threading.RLock()
+
+_LIVE = PerProcess(_Live)
+
+
+def main_fds() -> set:
+    """The main-process ends of this process's live channels."""
+    return _LIVE.get().main_fds
 
 
 def live_workers() -> int:
     """Worker processes this process has started and not yet reaped."""
-    return _live_workers
+    return _LIVE.get().workers
 
 
 def _count_workers(pool, n: int) -> None:
     """Count `n` workers of `pool` on (n > 0) or all of its workers off (n == 0),
     once: the main thread's shutdown and the reaper thread may both get there."""
-    global _live_workers
+    live = _LIVE.get()
     mine = os.getpid() == pool.owner_pid   # a forked child's copy counts nothing
-    with _COUNT_LOCK:
+    with live.count_lock:
         # two stores, no call between them that a signal handler could interrupt
         before, pool._counted = pool._counted, n
-        _live_workers += (n - before) if mine else 0
-
-
-def _forget_parents_workers() -> None:
-    global _live_workers, _COUNT_LOCK, _LIVE_LOCK
-    _live_workers = 0
-    # fork may have copied these held by a thread not here (the reaper's)
-    _COUNT_LOCK = threading.RLock()
-    _LIVE_LOCK = threading.RLock()
-    _LIVE_POOLS.clear()   # the parent's, not this process's to stop
-
-
-os.register_at_fork(after_in_child=_forget_parents_workers)
+        live.workers += (n - before) if mine else 0
 
 
 def _unregister_child(proc) -> None:
@@ -249,8 +250,9 @@ class WorkerPool:
         if self.strategy_name == "file_system":
             # segments a SIGKILLed loader of ours left behind (see shm_sweep.py)
             shm_sweep.sweep_dead_loaders()
-        with _LIVE_LOCK:
-            _LIVE_POOLS.add(self)
+        live = _LIVE.get()
+        with live.lock:
+            live.pools.add(self)
         self._counted = 0
         _count_workers(self, len(specs))
         _exit_hook_for_this_process()
@@ -308,14 +310,14 @@ class WorkerPool:
         ch = _core.MainChannel(spec.worker_id, sharing.core_strategy(strategy, _core), self.prefix,
                                *rings)
         self.channels.append(ch)
-        MAIN_FDS.update(ch.main_fds())
+        main_fds().update(ch.main_fds())
         h = ch.handle()
         fds = (_fd_arg(h["ctl_fd"]), _fd_arg(h["efd_main"]), _fd_arg(h["efd_worker"]),
                _fd_arg(h["sock"]))
         # A forked worker inherits every fd open now, among them the main ends of
         # every live channel: it is told which to close. A spawned or forkserver
         # worker inherits none of them (and the numbers mean nothing there).
-        inherited = (tuple(sorted(MAIN_FDS)) if context.get_start_method() == "fork"
+        inherited = (tuple(sorted(main_fds())) if context.get_start_method() == "fork"
                      else ())
         return context.Process(target=worker_main, args=(spec, h, fds, inherited),
                                daemon=True)
@@ -371,7 +373,7 @@ class WorkerPool:
                 self._pids.append(proc.pid)
                 ch = self.channels[first + i]
                 ch.started(proc.pid)
-                MAIN_FDS.update(ch.main_fds())
+                main_fds().update(ch.main_fds())
         for exc in errors:
             if exc is not None:
                 _explain_start_error(exc, method)
@@ -468,8 +470,9 @@ class WorkerPool:
                 proc.close()
             except Exception:
                 pass
-        with _LIVE_LOCK:
-            _LIVE_POOLS.discard(self)
+        live = _LIVE.get()
+        with live.lock:
+            live.pools.discard(self)
         self._uncount()
 
     def _uncount(self):
@@ -477,7 +480,7 @@ class WorkerPool:
 
     def abandon(self):
         """The reaper gave up on this pool (its step kept failing): release its
-        channels, so that no fd number of theirs stays in MAIN_FDS for a later
+        channels, so that no fd number of theirs stays in main_fds() for a later
         worker to close (the number may be a dataset's file by then), and count
         its workers off, so that a pool past saving does not keep the main
         process's spin off for good. The workers are killed first (at most a
@@ -504,7 +507,7 @@ class WorkerPool:
         if self._channels_released:
             return
         for ch in self.channels:
-            MAIN_FDS.difference_update(ch.main_fds())
+            main_fds().difference_update(ch.main_fds())
             ch.close()
         self._channels_released = True
 
@@ -548,8 +551,9 @@ class WorkerPool:
         self._release_channels()
         if not all(p.reap_and_close() for p in self.procs):
             return False   # a join elsewhere holds one: look again shortly
-        with _LIVE_LOCK:
-            _LIVE_POOLS.discard(self)
+        live = _LIVE.get()
+        with live.lock:
+            live.pools.discard(self)
         self._uncount()
         return True
 
@@ -585,8 +589,9 @@ def _shutdown_all():
     # our workers stop cleanly instead of being terminated with a warning.
     told = []
     try:
-        with _LIVE_LOCK:
-            pools = list(_LIVE_POOLS)
+        live = _LIVE.get()
+        with live.lock:
+            pools = list(live.pools)
         for pool in pools:   # every pool's workers first, so that they stop side by side
             try:
                 if pool._tell_workers_to_stop():
@@ -614,8 +619,9 @@ def _wait_at_exit(told, live_grace, retired_grace):
     `retired_grace` more (reaper.py)."""
     deadline = time.monotonic() + live_grace
     for pool in told:
-        with _LIVE_LOCK:
-            done = pool not in _LIVE_POOLS   # finished before a Ctrl-C
+        live = _LIVE.get()
+        with live.lock:
+            done = pool not in live.pools   # finished before a Ctrl-C
         if done:
             continue
         try:

@@ -27,6 +27,8 @@ import threading
 import time
 from multiprocessing.connection import wait as _wait_fds
 
+from .per_process import PerProcess
+
 __all__ = ["retire", "wait_idle", "drain", "pending", "busy"]
 
 # How often the thread looks again even if no fd woke it: new jobs, deadlines,
@@ -70,18 +72,14 @@ class _State:
         self.idle.set()
 
 
-_state = _State()
-
-
-def _after_fork_in_child():
-    global _state
-    _state = _State()
+# This process's: a forked child has its own (per_process.py), with no jobs and
+# no thread (the parent's are not its own)
+_STATE = PerProcess(_State)
 
 
 # (looked up at each fork, so that tests can observe the moment of the fork)
 os.register_at_fork(before=lambda: _before_fork(),
-                    after_in_parent=lambda: _after_fork_in_parent(),
-                    after_in_child=_after_fork_in_child)
+                    after_in_parent=lambda: _after_fork_in_parent())
 
 
 def retire(job) -> None:
@@ -92,7 +90,7 @@ def retire(job) -> None:
     waits until the new thread runs, which on a busy box (the workers that were
     just told to stop are exiting on the same cores) blocked the training loop
     for several ms; here nobody waits for it."""
-    st = _state
+    st = _STATE.get()
     with st.lock:
         st.jobs.append(job)
         st.idle.clear()
@@ -120,13 +118,14 @@ def _start_thread(st: _State) -> None:
 
 def pending() -> int:
     """How many retired pools are still being waited for."""
-    with _state.lock:
-        return len(_state.jobs)
+    st = _STATE.get()
+    with st.lock:
+        return len(st.jobs)
 
 
 def busy() -> bool:
     """Whether a reaper thread may exist now."""
-    st = _state
+    st = _STATE.get()
     with st.lock:
         return st.running or bool(st.tids and _tids_alive(st))
 
@@ -146,7 +145,7 @@ def _before_fork() -> None:
     while the next one loops: both are looked at. Runs for every fork of the
     process (an at-fork hook registered at import; Python runs `before` hooks in
     reverse order of registration, so hooks registered later run before it)."""
-    st = _state
+    st = _STATE.get()
     with st.lock:
         st.forking += 1
     end = None
@@ -162,7 +161,7 @@ def _before_fork() -> None:
 
 
 def _after_fork_in_parent() -> None:
-    st = _state
+    st = _STATE.get()
     with st.lock:
         st.forking = max(0, st.forking - 1)
         if st.jobs and not st.forking:
@@ -189,7 +188,7 @@ def _tids_alive(st: _State) -> bool:
 def wait_idle(timeout: float) -> bool:
     """Wait until every retired pool is finished and the reaper thread has
     exited; False if that took longer than `timeout` seconds."""
-    st = _state
+    st = _STATE.get()
     end = time.monotonic() + timeout
     with st.lock:   # a job queued while no thread could start (see retire)
         if st.jobs and not st.forking:
@@ -210,8 +209,9 @@ def wait_idle(timeout: float) -> bool:
 def drain(timeout: float) -> bool:
     """At interpreter exit: give every retired pool at most `timeout` seconds
     more, then wait for them (see wait_idle)."""
-    with _state.lock:
-        jobs = list(_state.jobs)
+    st = _STATE.get()
+    with st.lock:
+        jobs = list(st.jobs)
     for job in jobs:
         shorten = getattr(job, "hurry", None)
         if shorten is not None:

@@ -93,6 +93,7 @@ def _served(method, process_class) -> bool:
 
 
 def server_pid():
+    _in_use()
     with _State.lock:
         server = _State.server if _State.owner_pid == os.getpid() else None
         return getattr(server, "_forkserver_pid", None)
@@ -115,9 +116,12 @@ def warm_up(context, num_workers: int) -> None:
             method, process_class = context.get_start_method(), context.Process
         except (AttributeError, ValueError):
             return   # an odd context: the loader deals with it at iteration
+    if not _served(method, process_class):
+        return
+    _in_use()
     # never blocks: another thread starting workers holds the lock, and will
     # have started a server by the time this loader's first iter() asks
-    if _served(method, process_class) and _State.lock.acquire(blocking=False):
+    if _State.lock.acquire(blocking=False):
         try:
             _current_server()
         finally:
@@ -130,6 +134,7 @@ def launching(context):
     inside start as forks of a server that matches this process's start state, each
     of the class context.Process would have made (its name, "SpawnProcess-3" or
     "Process-3", shows in the worker). Only for a context that serves() accepts."""
+    _in_use()
     with _State.lock:
         _State.launching_with = _current_server()
         try:
@@ -196,7 +201,20 @@ def _forget_in_child() -> None:
             os.close(fd)
 
 
-os.register_at_fork(after_in_child=_forget_in_child)
+_forgets_in_children = False
+
+
+def _in_use() -> None:
+    """Called before this module's state is first used (its lock taken, a server
+    made). Only from then on does a forked child run _forget_in_child: a process
+    that never uses the spawn server does not make each of its forked children
+    (every forked worker among them) pay for the hook's writes (see
+    per_process.py). Two threads that both register: the hook runs twice, the
+    second time with nothing to forget."""
+    global _forgets_in_children
+    if not _forgets_in_children:
+        _forgets_in_children = True
+        os.register_at_fork(after_in_child=_forget_in_child)
 
 
 class _Popen(popen_forkserver.Popen):

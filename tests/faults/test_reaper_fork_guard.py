@@ -97,7 +97,7 @@ os.register_at_fork(after_in_child=_in_child, after_in_parent=_in_parent)
 @pytest.fixture
 def watch(monkeypatch):
     settle()   # no reaper thread of an earlier test
-    w = _Watch(reaper._state)
+    w = _Watch(reaper._STATE.get())
     real_run, real_loop = reaper._run, reaper._loop
     real_quiet = getattr(reaper, "_quiet", None)
 
@@ -303,7 +303,7 @@ def test_an_exception_in_the_guard_leaves_nothing_stuck(watch, monkeypatch):
     monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
     _plain_fork()
     assert raised and unraisable, "the guard should have raised once, inside the fork"
-    assert reaper._state.forking == 0
+    assert reaper._STATE.get().forking == 0
     reaper.retire(_Job())
     assert reaper.wait_idle(30)
 
@@ -409,7 +409,7 @@ _COLLECTION_UNDER_THE_LOCK = textwrap.dedent("""
             def step(self, now):
                 return True
 
-        reaper._state.jobs = Jobs()
+        reaper._STATE.get().jobs = Jobs()
         reaper.retire(Job())
         assert reaper.wait_idle(30), "the reaper thread should finish"
     gc.enable()
