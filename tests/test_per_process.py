@@ -101,28 +101,54 @@ def test_threads_of_a_child_that_ask_at_once_all_get_one_value():
     assert in_child(child) == (8, 1, True)
 
 
-def test_a_child_forked_beside_live_workers_has_none_of_the_parents_state():
+class _Pending:
+    """A retired job (reaper.py) that stays pending until `release` is set."""
+
+    def __init__(self):
+        self.release = threading.Event()
+
+    def wait_fds(self):
+        return []
+
+    def step(self, now):
+        return self.release.is_set()
+
+
+def test_a_child_forked_beside_live_workers_has_none_of_the_parents_state(monkeypatch):
     """The parent's pool, its channels' fds, its worker count, the reaper's jobs
     and the forkserver warm-up are not the child's; a loader made in the child
     runs with state of its own."""
     loader = fastloader.DataLoader(ds.TensorLabelDataset(16), batch_size=4, num_workers=2,
                                    persistent_workers=True, multiprocessing_context="fork")
+    job = _Pending()
     it = iter(loader)
-    next(it)
-    assert pool.live_workers() >= 2 and pool.main_fds()
-    parents_live = pool._LIVE.get()
+    try:
+        next(it)
+        reaper.retire(job)
+        monkeypatch.setattr(forkserver._WARMED.get(), "pid", -1)
+        assert pool.live_workers() >= 2 and pool.main_fds() and reaper.pending() >= 1
+        parents = (pool._LIVE.get(), reaper._STATE.get(), forkserver._WARMED.get())
 
-    def child():
-        seen = (pool.live_workers(), set(pool.main_fds()), reaper.pending(),
-                pool._LIVE.get() is parents_live, forkserver._WARMED.get().pid)
-        child_loader = fastloader.DataLoader(ds.TensorLabelDataset(16), batch_size=4,
-                                             num_workers=2, multiprocessing_context="fork")
-        batches = sum(1 for _ in child_loader)
+        def child():
+            seen = (pool.live_workers(), set(pool.main_fds()), reaper.pending(),
+                    forkserver._WARMED.get().pid,
+                    [mine is not theirs for mine, theirs in
+                     zip((pool._LIVE.get(), reaper._STATE.get(), forkserver._WARMED.get()),
+                         parents)])
+            child_loader = fastloader.DataLoader(ds.TensorLabelDataset(16), batch_size=4,
+                                                 num_workers=2, multiprocessing_context="fork")
+            batches = sum(1 for _ in child_loader)
+            assert reaper.wait_idle(30)
+            return seen, batches, pool.live_workers()
+
+        seen, batches, after = in_child(child)
+        assert seen == (0, set(), 0, None, [True, True, True])
+        assert batches == 4 and after == 0
+        # the parent's are as they were
+        assert (pool._LIVE.get(), reaper._STATE.get(), forkserver._WARMED.get()) == parents
+        assert pool.live_workers() >= 2 and reaper.pending() >= 1
+        assert forkserver._WARMED.get().pid == -1
+    finally:
+        job.release.set()
+        del it, loader   # the loader holds its persistent iterator
         assert reaper.wait_idle(30)
-        return seen, batches, pool.live_workers()
-
-    (workers, fds, jobs, same, warmed), batches, after = in_child(child)
-    assert (workers, fds, jobs, same, warmed) == (0, set(), 0, False, None)
-    assert batches == 4 and after == 0
-    assert pool._LIVE.get() is parents_live and pool.live_workers() >= 2
-    del it

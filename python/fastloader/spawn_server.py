@@ -93,7 +93,8 @@ def _served(method, process_class) -> bool:
 
 
 def server_pid():
-    _in_use()
+    if not _forgets_in_children:
+        return None   # no server was ever made here
     with _State.lock:
         server = _State.server if _State.owner_pid == os.getpid() else None
         return getattr(server, "_forkserver_pid", None)
@@ -213,8 +214,10 @@ def _in_use() -> None:
     second time with nothing to forget."""
     global _forgets_in_children
     if not _forgets_in_children:
-        _forgets_in_children = True
+        # registered before the flag says so: no thread can use the state while a
+        # fork would not yet run the hook
         os.register_at_fork(after_in_child=_forget_in_child)
+        _forgets_in_children = True
 
 
 class _Popen(popen_forkserver.Popen):

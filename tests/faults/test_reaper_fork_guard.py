@@ -35,7 +35,7 @@ _ACTIVE = []      # the running test's _Watch, if any
 
 class _Watch:
     def __init__(self, state):
-        self.state = state      # the parent's reaper state (a child replaces its own)
+        self.state = state      # the parent's reaper state (a child makes its own)
         self.in_loop = set()    # native ids of reaper threads inside _loop
         self.starting = set()   # ... lingering before it
         self.exiting = set()    # ... lingering after it
