@@ -28,6 +28,7 @@ from torch.utils.data import IterableDataset, _DatasetKind
 from . import _core
 from . import sampler_generators
 from .protocol import Replay, Restore
+from .seeding import seed_worker
 
 VERSION = 1
 
@@ -474,6 +475,16 @@ def take_snapshot(dataset, tasks_done: int) -> dict:
     return snap
 
 
+def seeded_snapshot(base_seed: int, worker_id: int) -> dict:
+    """take_snapshot(dataset, 0) of a worker whose RNGs are exactly as its seeding
+    (seeding.seed_worker) left them, and whose map-style dataset has no position:
+    the seeds instead of the states, and restoring seeds again. Reading the three
+    states is the most of a forked worker's first snapshot: ~160 copy-on-write
+    faults and ~1 ms on its first batch, every epoch with non-persistent workers
+    (2-core VM; NumPy's alone ~0.5 ms), and sending them costs ~0.4 ms more."""
+    return {"k": 0, "seeded": (base_seed, worker_id)}
+
+
 def copy_state(state):
     """A copy of a dataset's state that no later change to it reaches, made by the
     codec (which raises for what cannot travel with a batch)."""
@@ -530,9 +541,13 @@ def restore_snapshot(dataset, snap, start_iteration) -> int:
     if "dataset" in snap and _stateful(dataset):
         dataset.load_state_dict(snap["dataset"])
     start_iteration()
-    random.setstate(_as_random_state(snap["random"]))
-    torch.set_rng_state(snap["torch"])
-    _set_numpy_state(snap["numpy"])
+    if "seeded" in snap:   # seeded_snapshot()
+        base_seed, worker_id = snap["seeded"]
+        seed_worker(base_seed, worker_id)
+    else:
+        random.setstate(_as_random_state(snap["random"]))
+        torch.set_rng_state(snap["torch"])
+        _set_numpy_state(snap["numpy"])
     return snap["k"]
 
 

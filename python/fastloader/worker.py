@@ -223,6 +223,11 @@ class _Loop:
         # resets its position only once its __iter__'s body runs (see
         # resume.with_state_after_first_task), and would ask it twice.
         self.ready_snapshot = None
+        # The RNGs are exactly as seed_worker() left them: from a start with no
+        # worker_init_fn and a map-style dataset (no user code ran since the
+        # seeding) until the first task is taken. A snapshot due then is the
+        # seeds, not the states (resume.seeded_snapshot).
+        self.as_seeded = False
 
     def start(self, seed):
         spec = self.spec
@@ -239,6 +244,9 @@ class _Loop:
         except Exception:
             self.init_error = _wrap_exception(self.wid, -1, None,
                                               context="in the dataset's __iter__")
+            return
+        self.as_seeded = (spec.worker_init_fn is None
+                          and spec.dataset_kind == _DatasetKind.Map)
 
     def _new_fetcher(self):
         spec = self.spec
@@ -273,7 +281,7 @@ class _Loop:
         """Persistent workers: a new epoch restarts the replica as torch does. An
         error in an IterableDataset's __iter__ is the epoch's first batch's, as in
         the first epoch (torch's worker exits on it instead, "exited unexpectedly")."""
-        self.iteration_end, self.done = False, 0
+        self.iteration_end, self.done, self.as_seeded = False, 0, False
         if payload:
             self.dataset = _seed_datapipe(self.dataset, pickle.loads(payload))
         try:
@@ -290,6 +298,7 @@ class _Loop:
 
     def on_control(self, message):
         """Resume messages from the main process (resume.py)."""
+        self.as_seeded = False
         if isinstance(message, Restore):
             self.iteration_end = False
             self.ready_snapshot = None
@@ -332,9 +341,15 @@ class _Loop:
         every = spec.snapshot_every
         snapshot = None
         ready, self.ready_snapshot = self.ready_snapshot, None
+        # (an index that came pickled ran its unpickling, which may draw, above)
+        as_seeded, self.as_seeded = self.as_seeded and kind != TASK_PICKLE, False
         if self.done == 0 or (every > 0 and self.done % every == 0):
-            snapshot = ready if ready is not None else _resume.take_snapshot(self.dataset,
-                                                                             self.done)
+            if ready is not None:
+                snapshot = ready
+            elif as_seeded:
+                snapshot = _resume.seeded_snapshot(spec.base_seed, wid)
+            else:
+                snapshot = _resume.take_snapshot(self.dataset, self.done)
         self.done += 1
         if self.init_error is not None:
             data, rkind, self.init_error = self.init_error, RES_ERROR, None

@@ -2,9 +2,11 @@
 a restarted job would), and the rest of the epoch equals an uninterrupted run,
 batch by batch, including values drawn from worker RNGs."""
 import functools
+import random
 import time
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data.distributed import DistributedSampler
@@ -1494,3 +1496,58 @@ def test_a_resumed_epoch_tells_again_whether_its_sampler_draws_from_the_global_r
     got = [b.tolist() for b in third]
     assert got == rest
     assert sorted(sum(head + got, [])) == ds
+
+
+def _draws_in_worker_init(worker_id):
+    # draws from, and reseeds, each RNG a snapshot holds: the states before the
+    # worker's first task are then not what its seeding left
+    random.random()
+    torch.rand(3)
+    np.random.seed(1000 + worker_id + np.random.randint(1 << 16))
+
+
+def test_a_seeded_snapshot_restores_the_states_the_seeding_left():
+    """A worker's first snapshot, where nothing ran since its seeding, holds the
+    seeds; restoring it seeds again, to exactly the states a full snapshot holds."""
+    from fastloader import resume, seeding
+
+    seeding.seed_worker(123456789, 1)
+    full = resume.take_snapshot(None, 0)
+    random.random(), torch.rand(5), np.random.rand(7)   # the worker drew on since
+    resume.restore_snapshot(None, resume.seeded_snapshot(123456789, 1), lambda: None)
+    assert random.getstate() == full["random"]
+    assert torch.equal(torch.get_rng_state(), full["torch"])
+    now = resume._numpy_state()
+    assert now[0] == full["numpy"][0] and torch.equal(now[1], full["numpy"][1])
+    assert now[2:] == full["numpy"][2:]
+
+
+@pytest.mark.parametrize("init", ["none", "draws"])
+def test_a_workers_first_snapshot_is_its_seeds_only_where_nothing_ran_since(init):
+    kw = dict(batch_size=4, num_workers=2,
+              worker_init_fn=_draws_in_worker_init if init == "draws" else None)
+    loader = make(rd.RandomAugmented(40), **kw)
+    it = iter(loader)
+    next(it), next(it)
+    state = loader.state_dict()
+    del it
+    snapshots = [w["snapshot"] for w in state["workers"]]
+    if init == "none":
+        base = state["base_seed"]
+        assert snapshots == [{"k": 0, "seeded": (base, 0)}, {"k": 0, "seeded": (base, 1)}]
+    else:
+        assert all("seeded" not in s and "random" in s and s["k"] == 0 for s in snapshots)
+
+
+@pytest.mark.parametrize("k", [1, 2, 5])
+@pytest.mark.parametrize("init", ["none", "draws"])
+def test_a_resume_before_a_workers_second_snapshot_draws_on_as_uninterrupted(k, init):
+    """The snapshot restored is each worker's first (snapshot_every_n_steps=0):
+    its seeds, or, after a worker_init_fn that drew, its states."""
+    kw = dict(batch_size=4, shuffle=True, snapshot_every_n_steps=0,
+              worker_init_fn=_draws_in_worker_init if init == "draws" else None)
+    ds = rd.RandomAugmented(48)
+    (full,) = epochs(make(ds, **kw), 1)
+    head, tail = interrupted(ds, k, **kw)
+    assert_same_batch_lists(full[:k], head, "before the stop")
+    assert_same_batch_lists(full[k:], tail, f"resumed after {k}")
