@@ -44,7 +44,8 @@ WHERES = {name: value for name, value in globals().items() if name.startswith("W
 # ---- control messages (TASK_CONTROL), this layer's own ---------------------------------
 class Restore(NamedTuple):
     """Restore a worker's RNGs (and an iterable's position) from a snapshot taken
-    by resume.take_snapshot; its task count restarts from the snapshot's."""
+    by resume.take_snapshot (or made by resume.seeded_snapshot); its task count
+    restarts from the snapshot's."""
     snapshot: dict
 
 

@@ -1511,26 +1511,38 @@ def test_a_seeded_snapshot_restores_the_states_the_seeding_left():
     seeds; restoring it seeds again, to exactly the states a full snapshot holds."""
     from fastloader import resume, seeding
 
-    seeding.seed_worker(123456789, 1)
-    full = resume.take_snapshot(None, 0)
-    random.random(), torch.rand(5), np.random.rand(7)   # the worker drew on since
-    resume.restore_snapshot(None, resume.seeded_snapshot(123456789, 1), lambda: None)
-    assert random.getstate() == full["random"]
-    assert torch.equal(torch.get_rng_state(), full["torch"])
-    now = resume._numpy_state()
-    assert now[0] == full["numpy"][0] and torch.equal(now[1], full["numpy"][1])
-    assert now[2:] == full["numpy"][2:]
+    saved = resume.take_snapshot(None, 0)   # this process's, put back below
+    try:
+        seeding.seed_worker(123456789, 1)
+        full = resume.take_snapshot(None, 0)
+        # the worker drew on since, leaving cached Gaussians that seeding must drop
+        random.random(), random.gauss(0, 1), torch.rand(5), np.random.randn(7)
+        resume.restore_snapshot(None, resume.seeded_snapshot(123456789, 1), lambda: None)
+        assert random.getstate() == full["random"]
+        assert torch.equal(torch.get_rng_state(), full["torch"])
+        now = resume._numpy_state()
+        assert now[0] == full["numpy"][0] and torch.equal(now[1], full["numpy"][1])
+        assert now[2:] == full["numpy"][2:]
+    finally:
+        resume.restore_snapshot(None, saved, lambda: None)
 
 
-@pytest.mark.parametrize("init", ["none", "draws"])
+@pytest.mark.parametrize("init", ["none", "draws", "second_persistent_epoch"])
 def test_a_workers_first_snapshot_is_its_seeds_only_where_nothing_ran_since(init):
+    """Not after a worker_init_fn, nor at a persistent worker's later epoch (its
+    RNGs carry on from the last one)."""
     kw = dict(batch_size=4, num_workers=2,
-              worker_init_fn=_draws_in_worker_init if init == "draws" else None)
+              worker_init_fn=_draws_in_worker_init if init == "draws" else None,
+              persistent_workers=init == "second_persistent_epoch")
     loader = make(rd.RandomAugmented(40), **kw)
+    if init == "second_persistent_epoch":
+        for _ in loader:
+            pass
     it = iter(loader)
     next(it), next(it)
     state = loader.state_dict()
-    del it
+    del it, loader
+    assert state["version"] == 2
     snapshots = [w["snapshot"] for w in state["workers"]]
     if init == "none":
         base = state["base_seed"]
@@ -1551,3 +1563,21 @@ def test_a_resume_before_a_workers_second_snapshot_draws_on_as_uninterrupted(k, 
     head, tail = interrupted(ds, k, **kw)
     assert_same_batch_lists(full[:k], head, "before the stop")
     assert_same_batch_lists(full[k:], tail, f"resumed after {k}")
+
+
+def test_a_version_1_state_loads_and_an_unknown_version_is_refused():
+    """Version 1 (every snapshot the RNG states, as a worker_init_fn still makes
+    them) resumes exactly; another version raises at load_state_dict()."""
+    kw = dict(batch_size=4, worker_init_fn=_draws_in_worker_init)
+    ds = rd.RandomAugmented(40)
+    (full,) = epochs(make(ds, **kw), 1)
+    first = make(ds, **kw)
+    it = iter(first)
+    head = [clone_batch(next(it)) for _ in range(3)]
+    state = dict(first.state_dict(), version=1)
+    del it, first
+    second = make(ds, seed=999, **kw)
+    second.load_state_dict(state)
+    assert_same_batch_lists(full, head + [clone_batch(b) for b in second], "a version 1 state")
+    with pytest.raises(ValueError, match=r"version 1 or 2\), got a dict of version 3"):
+        make(ds, **kw).load_state_dict(dict(state, version=3))
