@@ -16,7 +16,7 @@ import fastloader
 from fastloader import cgroup_cpus, main_spin, pool, reaper
 from fastloader.worker_process import WorkerProcess
 from tests.support import datasets as ds
-from tests.support.helpers import deadline, settle
+from tests.support.helpers import deadline, in_forked_child, settle
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPUS = sorted(os.sched_getaffinity(0))
@@ -394,23 +394,6 @@ def test_a_launcher_variable_the_parent_carries_too_was_inherited_not_set_for_us
                    parent_has=["SLURM_STEP_ID"]) == [SPIN, 0, 0, 0]
 
 
-def in_forked_child(fn):
-    """repr(fn()) as computed in a forked child of this process."""
-    r, w = os.pipe()
-    child = os.fork()
-    if child == 0:
-        try:
-            os.write(w, repr(fn()).encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    try:
-        with os.fdopen(r) as f:
-            return f.read()
-    finally:
-        os.waitpid(child, 0)
-
-
 def test_a_processs_environment_names_are_read_from_proc():
     names = main_spin._environ_names(os.getpid())
     assert names is not None and "PATH" in names
@@ -428,7 +411,7 @@ def test_another_users_process_shows_no_environment_names():
         return main_spin._environ_names(me)
 
     got = in_forked_child(as_nobody)
-    assert got == "set()", got
+    assert got == set(), got
 
 
 def test_a_launcher_started_inside_another_counts(monkeypatch):
@@ -483,7 +466,7 @@ def test_this_processs_pid_namespace_is_read_right():
 def test_the_parent_at_import_is_remembered_per_process():
     """A forked child (a rank started by a launcher that forks) remembers its own
     parent, not the parent of the process it was forked from."""
-    assert in_forked_child(lambda: main_spin._first_parent) == repr(os.getpid())
+    assert in_forked_child(lambda: main_spin._first_parent) == os.getpid()
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/usr/bin/unshare"),

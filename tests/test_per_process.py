@@ -1,7 +1,6 @@
 """per_process.PerProcess: a forked child gets its own value, made on first use;
 and the module state built on it (pool, reaper, forkserver) is the child's own."""
 import os
-import pickle
 import threading
 import time
 
@@ -10,28 +9,7 @@ from fastloader import forkserver, pool, reaper
 from fastloader.per_process import PerProcess
 
 from tests.support import datasets as ds
-
-
-def in_child(fn):
-    """fn()'s result as computed in a forked child (pickled back)."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        code = 0
-        try:
-            data = pickle.dumps(fn())
-        except BaseException as exc:   # the child's error, reported to the test
-            data, code = pickle.dumps(RuntimeError(f"{type(exc).__name__}: {exc}")), 1
-        with os.fdopen(w, "wb") as f:
-            f.write(data)
-        os._exit(code)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        data = f.read()
-    _, status = os.waitpid(pid, 0)
-    result = pickle.loads(data)
-    assert os.waitstatus_to_exitcode(status) == 0, result
-    return result
+from tests.support.helpers import in_forked_child
 
 
 class Made:
@@ -52,7 +30,7 @@ def test_a_forked_child_makes_its_own_value_and_the_parent_keeps_its():
         theirs = local.get()
         return theirs is not mine, theirs.pid, local.get() is theirs, mine.pid
 
-    fresh, pid, stable, parents_pid = in_child(child)
+    fresh, pid, stable, parents_pid = in_forked_child(child)
     assert fresh and stable and pid != os.getpid() and parents_pid == os.getpid()
     assert local.get() is mine   # the child's use left the parent's value alone
 
@@ -68,9 +46,9 @@ def test_a_grandchild_takes_neither_its_parents_nor_its_grandparents_value():
             own = local.get()
             return own is not middle and own is not top and own.pid == os.getpid()
 
-        return in_child(grandchild), middle is not top
+        return in_forked_child(grandchild), middle is not top
 
-    assert in_child(child) == (True, True)
+    assert in_forked_child(child) == (True, True)
 
 
 def test_threads_of_a_child_that_ask_at_once_all_get_one_value():
@@ -98,7 +76,7 @@ def test_threads_of_a_child_that_ask_at_once_all_get_one_value():
             t.join()
         return len(got), len({id(v) for v in got}), got[0] is local.get()
 
-    assert in_child(child) == (8, 1, True)
+    assert in_forked_child(child) == (8, 1, True)
 
 
 class _Pending:
@@ -141,7 +119,7 @@ def test_a_child_forked_beside_live_workers_has_none_of_the_parents_state(monkey
             assert reaper.wait_idle(30)
             return seen, batches, pool.live_workers()
 
-        seen, batches, after = in_child(child)
+        seen, batches, after = in_forked_child(child)
         assert seen == (0, set(), 0, None, [True, True, True])
         assert batches == 4 and after == 0
         # the parent's are as they were

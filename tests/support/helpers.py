@@ -6,6 +6,7 @@ import contextlib
 import gc
 import glob
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -231,6 +232,29 @@ def unused_pid(long_unused=False):
         if pid > 300 and not os.path.exists(f"/proc/{pid}"):
             return pid
     raise RuntimeError("no free pid")
+
+
+def in_forked_child(fn):
+    """fn()'s result as computed in a forked child of this process (pickled back);
+    an exception in the child fails the caller with its type and text."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            data = pickle.dumps(fn())
+        except BaseException as exc:   # reported to the caller, below
+            data, code = pickle.dumps(f"{type(exc).__name__}: {exc}"), 1
+        with os.fdopen(w, "wb") as f:
+            f.write(data)
+        os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        data = f.read()
+    _, status = os.waitpid(pid, 0)
+    result = pickle.loads(data)
+    assert os.waitstatus_to_exitcode(status) == 0, f"in the forked child: {result}"
+    return result
 
 
 def run_python(code, timeout):
