@@ -72,6 +72,9 @@ class RunResult:
     # sampled), and of the main process alone.
     peak_pss_bytes: Optional[int] = None
     peak_main_pss_bytes: Optional[int] = None
+    # Peak of that PSS + the shared memory that none of them maps (segments in
+    # flight between processes; see benchmarks/pss.py).
+    peak_with_unmapped_shm_bytes: Optional[int] = None
     # fastloader's shared ring arena per worker (its stats()), if it reports one.
     arena_bytes_per_worker: Optional[list] = None
 
@@ -289,6 +292,7 @@ class NextCallResult:
     checksum: float
     peak_pss_bytes: Optional[int] = None  # as in RunResult
     peak_main_pss_bytes: Optional[int] = None
+    peak_with_unmapped_shm_bytes: Optional[int] = None
 
 
 def time_next_calls(loader, warmup_batches, consumer_sleep_s):
@@ -471,8 +475,9 @@ def run_memory_epochs(build_loader, loader_classes, warmup_batches, pss_sampler,
         peak = pss_sampler.stop()
         del loader
         wait_for_workers_to_exit(children_before)
-        results[name] = dataclasses.replace(result, peak_pss_bytes=peak["peak_bytes"],
-                                            peak_main_pss_bytes=peak["peak_main_bytes"])
+        results[name] = dataclasses.replace(
+            result, peak_pss_bytes=peak["peak_bytes"], peak_main_pss_bytes=peak["peak_main_bytes"],
+            peak_with_unmapped_shm_bytes=peak["peak_with_unmapped_shm_bytes"])
     return results
 
 

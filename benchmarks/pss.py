@@ -11,6 +11,16 @@ the loader being measured. It reads /proc/<pid>/smaps_rollup of the tree every
 ``interval`` seconds between ``start()`` and ``stop()``, and ``stop()`` returns
 the peak of the sum. Its own pid is left out of the sum and of the harness's
 search for lingering workers.
+
+PSS sees only pages that some process maps. A loader that passes a batch as a
+shared-memory segment (torch's does: a segment per tensor, its fd in flight in a
+queue) has batches that no process maps for a while: the worker has dropped its
+mapping and the main process has not mapped it yet. Those pages are memory the
+machine holds all the same. So each sample also reads the system's shared memory
+(``Shmem`` in /proc/meminfo) against its value at ``start()``, and the part of
+the growth that the tree does not map (its ``Pss_Shmem``) is added to the tree's
+PSS: ``peak_with_unmapped_shm_bytes``. It assumes nothing else on the machine
+changes its shared memory meanwhile (a quiet benchmark box); never less than PSS.
 """
 
 import json
@@ -50,7 +60,9 @@ class PssSampler:
         self._ask("start")
 
     def stop(self):
-        """{"peak_bytes": main + workers, "peak_main_bytes": main alone, "samples": n}."""
+        """{"peak_bytes": main + workers, "peak_main_bytes": main alone,
+        "peak_with_unmapped_shm_bytes": main + workers + shared memory in flight,
+        "samples": n}."""
         return self._ask("stop")
 
     def close(self):
@@ -71,41 +83,71 @@ class PssSampler:
         self.process.stdout.close()
 
 
+def _rollup(pid):
+    """{field: bytes} of /proc/<pid>/smaps_rollup (Pss, Pss_Shmem, ...)."""
+    fields = {}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) == 3 and parts[2] == "kB":
+                fields[parts[0].rstrip(":")] = int(parts[1]) * 1024
+    return fields
+
+
+def _system_shmem():
+    """Bytes of shared memory in the whole system (/proc/meminfo's Shmem)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("Shmem:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def _tree_pss(root, own_pid):
-    """(PSS of root + its descendants, PSS of root) in bytes; vanished processes skipped."""
-    total = main = 0
+    """(PSS of root + its descendants, PSS of root, their Pss_Shmem) in bytes;
+    vanished processes skipped."""
+    total = main = shmem = 0
     try:
         processes = [root] + root.children(recursive=True)
     except psutil.Error:
-        return 0, 0
+        return 0, 0, 0
     for process in processes:
         if process.pid == own_pid:
             continue
         try:
-            pss = process.memory_full_info().pss
-        except psutil.Error:
+            fields = _rollup(process.pid)
+        except OSError:
             continue  # a worker that exited between the listing and the read
+        pss = fields.get("Pss", 0)
         total += pss
+        shmem += fields.get("Pss_Shmem", 0)
         if process.pid == root.pid:
             main = pss
-    return total, main
+    return total, main, shmem
+
+
+def _with_unmapped_shm(total, tree_shmem, shmem_at_start):
+    """The tree's PSS plus the shared memory grown since start() that it does not map."""
+    return total + max(0, _system_shmem() - shmem_at_start - tree_shmem)
 
 
 def _serve(root_pid, interval_s):
     root = psutil.Process(root_pid)
     own_pid = os.getpid()
-    state = {"peak": 0, "peak_main": 0, "samples": 0}
+    state = {"peak": 0, "peak_main": 0, "peak_all": 0, "shmem_at_start": 0, "samples": 0}
     lock = threading.Lock()
     sampling = threading.Event()
 
     def sample_loop():
         while True:
             sampling.wait()
-            total, main = _tree_pss(root, own_pid)
+            total, main, shmem = _tree_pss(root, own_pid)
             with lock:
                 if sampling.is_set():
                     state["peak"] = max(state["peak"], total)
                     state["peak_main"] = max(state["peak_main"], main)
+                    state["peak_all"] = max(state["peak_all"], _with_unmapped_shm(
+                        total, shmem, state["shmem_at_start"]))
                     state["samples"] += 1
             time.sleep(interval_s)
 
@@ -114,15 +156,19 @@ def _serve(root_pid, interval_s):
         command = line.strip()
         if command == "start":
             with lock:
-                state.update(peak=0, peak_main=0, samples=0)
+                state.update(peak=0, peak_main=0, peak_all=0, samples=0,
+                             shmem_at_start=_system_shmem())
             sampling.set()
             reply = {}
         elif command == "stop":
             sampling.clear()
-            total, main = _tree_pss(root, own_pid)  # at least one sample, even for a short run
+            total, main, shmem = _tree_pss(root, own_pid)  # at least one sample, even for a short run
             with lock:
                 reply = {"peak_bytes": max(state["peak"], total),
                          "peak_main_bytes": max(state["peak_main"], main),
+                         "peak_with_unmapped_shm_bytes": max(
+                             state["peak_all"],
+                             _with_unmapped_shm(total, shmem, state["shmem_at_start"])),
                          "samples": state["samples"] + 1}
         elif command == "quit":
             print(json.dumps({}), flush=True)

@@ -185,6 +185,8 @@ class WorkloadReport:
     efficiency: dict = field(default_factory=dict)
     total_cpu_us: dict = field(default_factory=dict)  # name -> Stats or None
     peak_pss_mib: dict = field(default_factory=dict)  # name -> Stats or None
+    # name -> Stats or None: peak PSS + shared memory in flight that no process maps
+    peak_with_shm_mib: dict = field(default_factory=dict)
     arena_mib: dict = field(default_factory=dict)  # name -> per-worker MiB list or None
     not_run: dict = field(default_factory=dict)  # name -> why it did not run this workload
     memory_runs: dict = field(default_factory=dict)  # name -> the untimed PSS epoch's result
@@ -390,10 +392,13 @@ def benchmark_workload(workload, args, specs, pss_sampler=None):
     workers_cpu_us = {name: stats_or_none(rs, "workers_cpu_us_per_sample")
                       for name, rs in runs.items()}
     total_cpu_us = {name: stats_or_none(rs, "total_cpu_us_per_sample") for name, rs in runs.items()}
-    peak_pss_mib = {}
-    for name in runs:
-        peak = getattr(memory.get(name), "peak_pss_bytes", None)
-        peak_pss_mib[name] = None if peak is None else Stats.of([peak / MIB])
+    def peak_mib(attribute):
+        peaks = {name: getattr(memory.get(name), attribute, None) for name in runs}
+        return {name: None if peak is None else Stats.of([peak / MIB])
+                for name, peak in peaks.items()}
+
+    peak_pss_mib = peak_mib("peak_pss_bytes")
+    peak_with_shm_mib = peak_mib("peak_with_unmapped_shm_bytes")
     arena_mib = {}
     for name, rs in runs.items():
         last = getattr(rs[-1], "arena_bytes_per_worker", None) if rs else None
@@ -437,6 +442,7 @@ def benchmark_workload(workload, args, specs, pss_sampler=None):
         machine_ceiling=ceiling,
         total_cpu_us=total_cpu_us,
         peak_pss_mib=peak_pss_mib,
+        peak_with_shm_mib=peak_with_shm_mib,
         arena_mib=arena_mib,
         memory_runs=memory,
         not_run=not_run,
@@ -546,7 +552,8 @@ def render_loaders_table(reports, args, unavailable):
     if not reports:
         return ""
     headers = ["workload", "loader", "runs in", "median (min-max)", "x torch (per-repeat min-max)",
-               "efficiency", "peak PSS MiB main+workers", "CPU us/sample all processes",
+               "efficiency", "peak PSS MiB main+workers", "+ shm in flight MiB",
+               "CPU us/sample all processes",
                "1st batch ms", "data"]
     rows = []
     for report in reports:
@@ -565,19 +572,23 @@ def render_loaders_table(reports, args, unavailable):
                 f"{ratio.median:.2f}x ({ratio.low:.2f}-{ratio.high:.2f})",
                 _fmt_opt(report.efficiency.get(name), 2),
                 pss_text,
+                _fmt_opt(report.peak_with_shm_mib.get(name)),
                 _fmt_opt(report.total_cpu_us.get(name)),
                 f"{report.first_batch_ms[name].median:.0f}",
                 "ok" if report.agrees.get(name) else "INVALID: data differs",
             ])
         for name, reason in report.not_run.items():
-            rows.append([report.workload.name, name, "-", "not run", "-", "-", "-", "-", "-",
+            rows.append([report.workload.name, name, "-", "not run", "-", "-", "-", "-", "-", "-",
                          "not run (see below)"])
     notes = ["", "Every loader on the same dataset objects, interleaved in the same repeats "
              "(order flipped every repeat); x torch: the loader's rate / torch's in the same "
              "repeat (median, range). Peak PSS: the main process and every process it "
              "started, sampled every 0.1 s from building the loader to the end of its epoch, "
              "in one more untimed epoch per loader (sampling costs CPU, so no timed epoch is "
-             "sampled); fastloader's shared ring arena per worker in brackets. "
+             "sampled); fastloader's shared ring arena per worker in brackets. + shm in "
+             "flight: the same peak with the shared memory that no process of the tree maps "
+             "at that moment added (batches passed as segments between processes; PSS does "
+             "not see them), from the system's Shmem growth (benchmarks/pss.py). "
              "CPU: main process (all threads) + workers, per timed sample. 'in-process' is "
              "the efficiency baseline (num_workers=0), not a competitor."]
     for name, reason in unavailable.items():
@@ -594,7 +605,7 @@ def render_loaders_table(reports, args, unavailable):
     if not any(report.peers_ahead() for report in reports):
         notes.append("No peer is ahead of fastloader on any workload in this run.")
     return ("### Every loader, side by side\n\n"
-            + markdown_table(headers, rows, align="lllrrrrrrl") + "\n" + "\n".join(notes))
+            + markdown_table(headers, rows, align="lllrrrrrrrl") + "\n" + "\n".join(notes))
 
 
 def environment(fastloader_module):
@@ -647,6 +658,8 @@ def report_to_json(reports, args, fastloader_module, skipped=None, unavailable=N
                         "ratio_to_torch": asdict(report.ratios[name]),
                         "efficiency": report.efficiency.get(name),
                         "peak_pss_mib": _stats_json(report.peak_pss_mib.get(name)),
+                        "peak_with_unmapped_shm_mib": _stats_json(
+                            report.peak_with_shm_mib.get(name)),
                         "arena_mib_per_worker": report.arena_mib.get(name),
                         "total_cpu_us_per_sample": _stats_json(report.total_cpu_us.get(name)),
                         "data_agrees": report.agrees.get(name),
