@@ -7,6 +7,7 @@ import sys
 
 import psutil
 import pytest
+import torch
 
 from tests.clients._dropin_harness import _run, run_script
 
@@ -32,7 +33,7 @@ child_waits_for_ever()
 
 
 def test_a_hung_run_reports_every_process_stacks_and_leaves_none(tmp_path):
-    pids, stderr = _hung_run(HANGS, tmp_path)
+    pids, stderr = _hung_run(HANGS, tmp_path, timeout=5)
     assert "parent_waits_for_ever" in stderr and "child_waits_for_ever" in stderr, stderr
     assert [p for p in pids if _alive(p)] == []
 
@@ -58,15 +59,16 @@ time.sleep(3600)
 
 
 def test_a_killed_run_is_dead_when_the_harness_returns_though_it_dies_slowly(tmp_path):
-    pids, _stderr = _hung_run(DIES_SLOWLY, tmp_path)
+    # (touching 1 GiB takes ~1 s here: the timeout leaves it 10x that)
+    pids, _stderr = _hung_run(DIES_SLOWLY, tmp_path, timeout=10)
     assert [p for p in pids if _alive(p)] == []
 
 
-def _hung_run(script, tmp_path):
-    """Run `script` (which prints its two pids, then hangs) under the harness with a
-    10 s timeout: (the pids, its stderr)."""
+def _hung_run(script, tmp_path, timeout):
+    """Run `script` (which prints its two pids, then hangs) under the harness with
+    `timeout` (seconds; the script must have printed by then): (the pids, its stderr)."""
     returncode, stdout, stderr, hung = _run([sys.executable, "-c", script], str(tmp_path),
-                                            timeout=10)
+                                            timeout=timeout)
     assert hung and returncode != 0
     pids = [int(p) for p in stdout.split()]
     assert len(pids) == 2, stdout
@@ -83,12 +85,15 @@ def _alive(pid):
 def test_only_the_torch_reference_is_run_again_after_a_hang(tmp_path):
     """The reference (torch's own DataLoader) gets a second run after a hang; a run
     with fastloader that hangs fails at once."""
-    # (the second run imports torch within the timeout, ~2 s here: 15x that, for a
-    # loaded box; the first run waits all of it out)
+    # (the second run is a bare Python start-up, ~30 ms here: the timeout is 150x
+    # that, for a loaded box; the first run waits all of it out)
+    os.makedirs(tmp_path / "ref")
+    torch.save({"ranks": []}, tmp_path / "ref" / "saved-result.pt")
     result, markers = run_script("_hangs_once_script.py", "torch", str(tmp_path / "ref"),
-                                 timeout=30)
+                                 timeout=5)
     assert result == {"ranks": []} and markers == []
     assert sorted(os.listdir(tmp_path / "ref")) == [
-        "_hangs_once_script-torch", "_hangs_once_script-torch-2", "ran-once"]
+        "_hangs_once_script-torch", "_hangs_once_script-torch-2", "ran-once",
+        "saved-result.pt"]
     with pytest.raises(AssertionError, match="hung"):
         run_script("_hangs_once_script.py", "fastloader", str(tmp_path / "fast"), timeout=5)
