@@ -105,7 +105,8 @@ def _system_shmem():
 
 def _tree_pss(root, own_pid):
     """(PSS of root + its descendants, PSS of root, their Pss_Shmem) in bytes;
-    vanished processes skipped."""
+    vanished processes skipped. Pss_Shmem is None on a kernel whose smaps_rollup
+    lacks it (older kernels)."""
     total = main = shmem = 0
     try:
         processes = [root] + root.children(recursive=True)
@@ -120,14 +121,18 @@ def _tree_pss(root, own_pid):
             continue  # a worker that exited between the listing and the read
         pss = fields.get("Pss", 0)
         total += pss
-        shmem += fields.get("Pss_Shmem", 0)
+        shmem = None if shmem is None or "Pss_Shmem" not in fields else (
+            shmem + fields["Pss_Shmem"])
         if process.pid == root.pid:
             main = pss
     return total, main, shmem
 
 
 def _with_unmapped_shm(total, tree_shmem, shmem_at_start):
-    """The tree's PSS plus the shared memory grown since start() that it does not map."""
+    """The tree's PSS plus the shared memory grown since start() that it does not
+    map; 0 (no figure) where the kernel does not say what the tree maps."""
+    if tree_shmem is None:
+        return 0
     return total + max(0, _system_shmem() - shmem_at_start - tree_shmem)
 
 
@@ -166,9 +171,11 @@ def _serve(root_pid, interval_s):
             with lock:
                 reply = {"peak_bytes": max(state["peak"], total),
                          "peak_main_bytes": max(state["peak_main"], main),
+                         # None: the kernel does not say what the tree maps
                          "peak_with_unmapped_shm_bytes": max(
                              state["peak_all"],
-                             _with_unmapped_shm(total, shmem, state["shmem_at_start"])),
+                             _with_unmapped_shm(total, shmem, state["shmem_at_start"]))
+                         or None,
                          "samples": state["samples"] + 1}
         elif command == "quit":
             print(json.dumps({}), flush=True)

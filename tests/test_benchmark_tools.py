@@ -2,6 +2,8 @@
 import os
 import time
 
+import pytest
+
 from benchmarks.pss import PssSampler
 from fastloader import DataLoader
 from tests.support.datasets import TensorLabelDataset
@@ -17,7 +19,8 @@ def test_pss_sampler_closes_while_a_persistent_fork_loader_is_alive():
     assert sum(1 for _ in loader) == 8
     got = sampler.stop()
     assert got["peak_bytes"] >= got["peak_main_bytes"] > 0
-    assert got["peak_with_unmapped_shm_bytes"] >= got["peak_bytes"]
+    with_shm = got["peak_with_unmapped_shm_bytes"]   # None: no Pss_Shmem in smaps_rollup
+    assert with_shm is None or with_shm >= got["peak_bytes"]
     started = time.monotonic()
     sampler.close()
     assert sampler.process.returncode == 0
@@ -44,4 +47,6 @@ def test_pss_sampler_counts_shared_memory_that_no_process_maps():
             os.close(fd)
     finally:
         sampler.close()
+    if got["peak_with_unmapped_shm_bytes"] is None:
+        pytest.skip("this kernel's smaps_rollup has no Pss_Shmem")
     assert got["peak_with_unmapped_shm_bytes"] >= got["peak_bytes"] + size * 3 // 4
