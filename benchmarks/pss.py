@@ -18,9 +18,10 @@ queue) has batches that no process maps for a while: the worker has dropped its
 mapping and the main process has not mapped it yet. Those pages are memory the
 machine holds all the same. So each sample also reads the system's shared memory
 (``Shmem`` in /proc/meminfo) against its value at ``start()``, and the part of
-the growth that the tree does not map (its ``Pss_Shmem``) is added to the tree's
-PSS: ``peak_with_unmapped_shm_bytes``. It assumes nothing else on the machine
-changes its shared memory meanwhile (a quiet benchmark box); never less than PSS.
+the growth that the tree's mappings did not grow by (its ``Pss_Shmem``) is added to
+the tree's PSS: ``peak_with_unmapped_shm_bytes``, never less than the PSS peak, and
+None on a kernel whose smaps_rollup lacks ``Pss_Shmem``. It assumes nothing else on
+the machine changes its shared memory meanwhile (a quiet benchmark box).
 """
 
 import json
@@ -94,6 +95,14 @@ def _rollup(pid):
     return fields
 
 
+def _kernel_support():
+    """(smaps_rollup exists, it has Pss_Shmem), asked of this process once."""
+    try:
+        return True, "Pss_Shmem" in _rollup("self")
+    except OSError:
+        return False, False
+
+
 def _system_shmem():
     """Bytes of shared memory in the whole system (/proc/meminfo's Shmem)."""
     with open("/proc/meminfo") as f:
@@ -103,56 +112,72 @@ def _system_shmem():
     return 0
 
 
-def _tree_pss(root, own_pid):
+def _tree_memory(root, own_pid, has_rollup):
     """(PSS of root + its descendants, PSS of root, their Pss_Shmem) in bytes;
-    vanished processes skipped. Pss_Shmem is None on a kernel whose smaps_rollup
-    lacks it (older kernels)."""
+    vanished processes skipped. Pss_Shmem is None where the tree could not be
+    listed; without smaps_rollup (kernels before 4.14) PSS comes from psutil's walk
+    of smaps and Pss_Shmem is 0."""
     total = main = shmem = 0
     try:
         processes = [root] + root.children(recursive=True)
     except psutil.Error:
-        return 0, 0, 0
+        return 0, 0, None
     for process in processes:
         if process.pid == own_pid:
             continue
         try:
-            fields = _rollup(process.pid)
-        except OSError:
+            if has_rollup:
+                fields = _rollup(process.pid)
+                pss, shmem_part = fields.get("Pss", 0), fields.get("Pss_Shmem", 0)
+            else:
+                pss, shmem_part = process.memory_full_info().pss, 0
+        except (OSError, psutil.Error):
             continue  # a worker that exited between the listing and the read
-        pss = fields.get("Pss", 0)
         total += pss
-        shmem = None if shmem is None or "Pss_Shmem" not in fields else (
-            shmem + fields["Pss_Shmem"])
+        shmem += shmem_part
         if process.pid == root.pid:
             main = pss
     return total, main, shmem
 
 
-def _with_unmapped_shm(total, tree_shmem, shmem_at_start):
-    """The tree's PSS plus the shared memory grown since start() that it does not
-    map; 0 (no figure) where the kernel does not say what the tree maps."""
-    if tree_shmem is None:
-        return 0
-    return total + max(0, _system_shmem() - shmem_at_start - tree_shmem)
+class _Baseline:
+    """The system's and the tree's shared memory when sampling started."""
+
+    def __init__(self, system, tree):
+        self.system = system
+        self.tree = tree or 0
+
+    def with_unmapped(self, total, tree_shmem):
+        """The tree's PSS plus the shared memory that appeared since the start and
+        that the tree does not map (what its Pss_Shmem did not grow by)."""
+        if tree_shmem is None:
+            return total
+        unmapped = (_system_shmem() - self.system) - (tree_shmem - self.tree)
+        return total + max(0, unmapped)
 
 
 def _serve(root_pid, interval_s):
     root = psutil.Process(root_pid)
     own_pid = os.getpid()
-    state = {"peak": 0, "peak_main": 0, "peak_all": 0, "shmem_at_start": 0, "samples": 0}
+    has_rollup, splits_shmem = _kernel_support()
+    state = {"peak": 0, "peak_main": 0, "peak_all": 0, "samples": 0,
+             "baseline": _Baseline(0, 0)}
     lock = threading.Lock()
     sampling = threading.Event()
+
+    def sample():
+        total, main, shmem = _tree_memory(root, own_pid, has_rollup)
+        return total, main, state["baseline"].with_unmapped(total, shmem)
 
     def sample_loop():
         while True:
             sampling.wait()
-            total, main, shmem = _tree_pss(root, own_pid)
             with lock:
                 if sampling.is_set():
+                    total, main, everything = sample()
                     state["peak"] = max(state["peak"], total)
                     state["peak_main"] = max(state["peak_main"], main)
-                    state["peak_all"] = max(state["peak_all"], _with_unmapped_shm(
-                        total, shmem, state["shmem_at_start"]))
+                    state["peak_all"] = max(state["peak_all"], everything)
                     state["samples"] += 1
             time.sleep(interval_s)
 
@@ -161,21 +186,22 @@ def _serve(root_pid, interval_s):
         command = line.strip()
         if command == "start":
             with lock:
+                tree_shmem = _tree_memory(root, own_pid, has_rollup)[2]
                 state.update(peak=0, peak_main=0, peak_all=0, samples=0,
-                             shmem_at_start=_system_shmem())
+                             baseline=_Baseline(_system_shmem(), tree_shmem))
             sampling.set()
             reply = {}
         elif command == "stop":
             sampling.clear()
-            total, main, shmem = _tree_pss(root, own_pid)  # at least one sample, even for a short run
             with lock:
-                reply = {"peak_bytes": max(state["peak"], total),
+                total, main, everything = sample()   # at least one sample, even for a short run
+                peak = max(state["peak"], total)
+                reply = {"peak_bytes": peak,
                          "peak_main_bytes": max(state["peak_main"], main),
-                         # None: the kernel does not say what the tree maps
-                         "peak_with_unmapped_shm_bytes": max(
-                             state["peak_all"],
-                             _with_unmapped_shm(total, shmem, state["shmem_at_start"]))
-                         or None,
+                         # None: the kernel does not say how much of the PSS is
+                         # shared memory, so what is not mapped cannot be told apart
+                         "peak_with_unmapped_shm_bytes":
+                             max(state["peak_all"], everything, peak) if splits_shmem else None,
                          "samples": state["samples"] + 1}
         elif command == "quit":
             print(json.dumps({}), flush=True)
