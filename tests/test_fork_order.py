@@ -1,9 +1,13 @@
 """pool.py under fork: every worker's channel is opened before the first fork, so the
 forks follow one another with next to nothing written in between (each page the main
-process writes after a fork is a copy-on-write fault); and each forked worker still
-holds its own channel's fds only, none of its siblings'."""
+process writes after a fork is a copy-on-write fault); each forked worker still holds
+its own channel's fds only, none of its siblings'; and no fd number a worker is told
+to close is freed (and so reusable by a later fork's own pipes) while the forks run."""
 import os
 import stat
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -82,3 +86,63 @@ def test_a_forked_worker_holds_none_of_its_siblings_channel_fds(num_workers):
     # each worker holds one socket of its own, its channel's end, and no sibling's
     assert all(len(s) == 1 for s in own.values()), own
     assert len(set().union(*own.values())) == num_workers, own
+
+
+# Loader A's epoch is dropped while its workers are stopped (SIGSTOP), so the reaper
+# thread waits for them. During loader B's forks, right after the first, A's workers
+# are killed: the reaper would now close A's channel fds, whose numbers are in the
+# list of fds B's workers close at start. Freed there, the lowest of them would go to
+# the pipes multiprocessing makes for B's next worker, which would then close its
+# own end of the pipe its parent watches: the worker would read as exited while it
+# runs. (In a fresh interpreter, so that fd numbers are given out the same way each
+# time.)
+PAUSED_STEPS_SCRIPT = textwrap.dedent("""
+    import os, select, signal, time
+    import fastloader
+
+    def loader():
+        return fastloader.DataLoader(list(range(64)), batch_size=4, num_workers=2,
+                                     multiprocessing_context="fork")
+
+    it = iter(loader())
+    next(it)
+    pool_a, pids_a = it._pool, list(it._pool.pids)
+    for pid in pids_a:
+        os.kill(pid, signal.SIGSTOP)
+    del it   # retired: the reaper thread waits for A's workers
+
+    real_fork, released = os.fork, []
+
+    def fork():
+        pid = real_fork()
+        if pid and not released:
+            for a in pids_a:
+                os.kill(a, signal.SIGKILL)
+            end = time.monotonic() + 2.0   # the reaper's step takes milliseconds
+            while not pool_a._channels_released and time.monotonic() < end:
+                time.sleep(0.01)
+            released.append(pool_a._channels_released)
+        return pid
+
+    os.fork = fork
+    it = iter(loader())
+    os.fork = real_fork
+    ready = select.select([w.sentinel for w in it._workers], [], [], 0.5)[0]
+    alive = [w.is_alive() for w in it._workers]
+    batches = [b.tolist() for b in it]
+    print("released during the forks:", released[0])
+    print("sentinels ready:", len(ready), "alive:", alive)
+    assert batches == [list(range(i, i + 4)) for i in range(0, 64, 4)], batches
+    print("ok")
+""")
+
+
+def test_no_fd_a_worker_closes_is_freed_while_the_workers_are_forked(subprocess_env):
+    result = subprocess.run([sys.executable, "-c", PAUSED_STEPS_SCRIPT], env=subprocess_env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.splitlines() == [
+        "released during the forks: False",
+        "sentinels ready: 0 alive: [True, True]",
+        "ok",
+    ], result.stdout + result.stderr

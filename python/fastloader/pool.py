@@ -285,10 +285,14 @@ class WorkerPool:
             # wrote ~270 pages (~1.1 ms between the forks; ~0.4 ms now, on a 2-vCPU
             # VM). A worker then inherits its later siblings' channel ends too,
             # and closes them with the rest (_fork_close_list).
+            # No fd of ours is closed from the list's making to the last fork: its
+            # number could go to a later fork's pipe, which that worker would
+            # close (only the reaper thread closes fds meanwhile: it waits).
             channels = [self._open_channel(spec, strategy, rings) for spec in specs]
-            inherited = self._fork_close_list(channels)
-            self._launch([self._process(context, spec, ch, inherited)
-                          for spec, ch in zip(specs, channels)], method)
+            with reaper.steps_paused():
+                inherited = self._fork_close_list(channels)
+                self._launch([self._process(context, spec, ch, inherited)
+                              for spec, ch in zip(specs, channels)], method)
             return
         if len(specs) == 1:
             self._launch([self._prepare(context, specs[0], strategy, rings)], method)
@@ -353,6 +357,10 @@ class WorkerPool:
                 procs[i].start()
             except BaseException as exc:   # re-raised below, in the caller's thread
                 errors[i] = exc
+            else:
+                # at once: the next Process.start() would reap it, were it dead
+                # already, before its pidfd is opened (_record_started)
+                _unregister_child(procs[i])
 
         if method != "fork":
             # starting it unblocks SIGINT in the calling thread (see forkserver.py)
@@ -394,7 +402,6 @@ class WorkerPool:
         first = len(self.procs)
         for i, proc in enumerate(procs):
             if errors[i] is None:
-                _unregister_child(proc)
                 self.procs.append(WorkerProcess(proc))
                 self._pids.append(proc.pid)
                 ch = self.channels[first + i]
