@@ -109,7 +109,13 @@ PAUSED_STEPS_SCRIPT = textwrap.dedent("""
     pool_a, pids_a = it._pool, list(it._pool.pids)
     for pid in pids_a:
         os.kill(pid, signal.SIGSTOP)
-    del it   # retired: the reaper thread waits for A's workers
+    try:
+        del it   # retired: the reaper thread waits for A's workers
+        assert fastloader.reaper.pending() == 1, "A's pool was not retired"
+    except BaseException:
+        for pid in pids_a:
+            os.kill(pid, signal.SIGKILL)
+        raise
 
     real_fork, released = os.fork, []
 
@@ -146,3 +152,30 @@ def test_no_fd_a_worker_closes_is_freed_while_the_workers_are_forked(subprocess_
         "sentinels ready: 0 alive: [True, True]",
         "ok",
     ], result.stdout + result.stderr
+
+
+def test_a_worker_closes_a_listed_number_only_where_it_names_what_was_listed():
+    """Another thread may close a listed fd before a later fork, and that fork's own
+    pipe may take the number: the worker must leave it open."""
+    from fastloader.worker import close_inherited_fds
+
+    def listed(fd):
+        st = os.fstat(fd)
+        return (fd, st.st_dev, st.st_ino)
+
+    gone_r, gone_w = os.pipe()
+    kept_r, kept_w = os.pipe()
+    entries = [listed(gone_r), listed(kept_r)]
+    os.close(gone_r)
+    os.close(gone_w)
+    reused_r, reused_w = os.pipe()   # takes the lowest free numbers: gone_r's among them
+    try:
+        assert gone_r in (reused_r, reused_w)
+        close_inherited_fds(entries, keep=set())
+        os.fstat(reused_r)   # still open (raises if it was closed)
+        os.fstat(reused_w)
+        with pytest.raises(OSError):
+            os.fstat(kept_r)   # listed and unchanged: closed
+    finally:
+        for fd in (kept_w, reused_r, reused_w):
+            os.close(fd)

@@ -46,7 +46,7 @@ class _Live:
 
     def __init__(self):
         # Main-process ends of live channels: a worker forked later is told to
-        # close them at start (worker_main's inherited_fds).
+        # close them at start (worker.close_inherited_fds).
         self.main_fds: set = set()
         self.pools: "weakref.WeakSet[WorkerPool]" = weakref.WeakSet()
         # re-entrant: a signal handler that shuts a loader down may run while this
@@ -285,9 +285,11 @@ class WorkerPool:
             # wrote ~270 pages (~1.1 ms between the forks; ~0.4 ms now, on a 2-vCPU
             # VM). A worker then inherits its later siblings' channel ends too,
             # and closes them with the rest (_fork_close_list).
-            # No fd of ours is closed from the list's making to the last fork: its
-            # number could go to a later fork's pipe, which that worker would
-            # close (only the reaper thread closes fds meanwhile: it waits).
+            # A number on the list closed before a later fork could go to that
+            # fork's own pipe, which the worker would then close: the reaper
+            # thread, which closes retired pools' fds, waits until the forks are
+            # done, and a worker closes a number only where it still names what
+            # was listed (worker.close_inherited_fds), whoever else closed it.
             channels = [self._open_channel(spec, strategy, rings) for spec in specs]
             with reaper.steps_paused():
                 inherited = self._fork_close_list(channels)
@@ -332,14 +334,21 @@ class WorkerPool:
     @staticmethod
     def _fork_close_list(channels):
         """The fds a forked worker inherits and must close (worker_main keeps its
-        own channel's): the main ends of every live channel, and the worker ends
-        of its siblings' channels, which the main process holds until each
-        sibling has started."""
+        own channel's), as (fd, st_dev, st_ino): the main ends of every live
+        channel, and the worker ends of its siblings' channels, which the main
+        process holds until each sibling has started."""
         fds = set(main_fds())
         for ch in channels:
             h = ch.handle()
             fds.update((h["ctl_fd"], h["efd_main"], h["efd_worker"], h["sock"]))
-        return tuple(sorted(fd for fd in fds if fd >= 0))
+        listed = []
+        for fd in sorted(fd for fd in fds if fd >= 0):
+            try:
+                st = os.fstat(fd)
+            except OSError:   # not open: nothing for a worker to close
+                continue
+            listed.append((fd, st.st_dev, st.st_ino))
+        return tuple(listed)
 
     @staticmethod
     def _process(context, spec, ch, inherited):

@@ -121,16 +121,24 @@ def _seed_datapipe(dataset, shared_seed):
     return apply_random_seed(dataset, rng)
 
 
-def _close_inherited_fds(inherited, keep):
-    """Under fork a worker inherits the main process's ends of its siblings'
-    channels (the pool lists them in `inherited`); close them so that fd counts
-    stay constant."""
-    for fd in inherited:
-        if fd >= 0 and fd not in keep:
-            try:
+def close_inherited_fds(inherited, keep):
+    """Under fork a worker inherits the main process's ends of every live channel
+    and its siblings' (the pool lists them in `inherited` as (fd, st_dev, st_ino));
+    close them so that fd counts stay constant. A number is closed only where it
+    still names what the pool listed: had the main process closed it before the
+    fork (another thread shutting a loader down), the number may belong to this
+    worker's own pipe by now. (Eventfds and pidfds share one inode, so for those
+    the check tells less: the reaper's pause covers the usual closer, see
+    pool.py.)"""
+    for fd, dev, ino in inherited:
+        if fd < 0 or fd in keep:
+            continue
+        try:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) == (dev, ino):
                 os.close(fd)
-            except OSError:
-                pass
+        except OSError:
+            pass
 
 
 def worker_main(spec, handle, fds, inherited_fds=()):
@@ -149,7 +157,7 @@ def worker_main(spec, handle, fds, inherited_fds=()):
     if spec.payload is not None:   # the heavy part, pickled once for all workers
         fd, size = spec.payload
         spec.dataset, spec.collate_fn, spec.worker_init_fn = _payload.load(fd.detach(), size)
-    _close_inherited_fds(inherited_fds, {ctl_fd, efd_main, efd_worker, sock})
+    close_inherited_fds(inherited_fds, {ctl_fd, efd_main, efd_worker, sock})
     chan = _core.WorkerChannel(handle, ctl_fd, efd_main, efd_worker, sock, spec.nslots)
     current = _Current()
     try:
