@@ -284,17 +284,14 @@ class WorkerPool:
             # fault, and making a channel and a Process object between two forks
             # wrote ~270 pages (~1.1 ms between the forks; ~0.4 ms now, on a 2-vCPU
             # VM). A worker then inherits its later siblings' channel ends too,
-            # and closes them with the rest (_fork_close_list).
-            # A number on the list closed before a later fork could go to that
-            # fork's own pipe, which the worker would then close: the reaper
-            # thread, which closes retired pools' fds, waits until the forks are
-            # done, and a worker closes a number only where it still names what
-            # was listed (worker.close_inherited_fds), whoever else closed it.
+            # and closes them with the rest (_fork_close_list). A listed number
+            # that another thread (the reaper's) closes before a later fork can go
+            # to that fork's own pipe: a worker closes a number only where it
+            # still names what was listed (worker.close_inherited_fds).
             channels = [self._open_channel(spec, strategy, rings) for spec in specs]
-            with reaper.steps_paused():
-                inherited = self._fork_close_list(channels)
-                self._launch([self._process(context, spec, ch, inherited)
-                              for spec, ch in zip(specs, channels)], method)
+            inherited = self._fork_close_list(channels)
+            self._launch([self._process(context, spec, ch, inherited)
+                          for spec, ch in zip(specs, channels)], method)
             return
         if len(specs) == 1:
             self._launch([self._prepare(context, specs[0], strategy, rings)], method)

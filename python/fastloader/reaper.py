@@ -22,7 +22,6 @@ thread starts or exits: see ``_before_fork`` for why."""
 from __future__ import annotations
 
 import _thread
-import contextlib
 import os
 import threading
 import time
@@ -30,7 +29,7 @@ from multiprocessing.connection import wait as _wait_fds
 
 from .per_process import PerProcess
 
-__all__ = ["retire", "wait_idle", "drain", "pending", "busy", "steps_paused"]
+__all__ = ["retire", "wait_idle", "drain", "pending", "busy"]
 
 # How often the thread looks again even if no fd woke it: new jobs, deadlines,
 # and a worker whose sentinel the user closed.
@@ -69,9 +68,6 @@ class _State:
         # for this lock); None while it starts or exits, or when there is none.
         self.loop_tid = None
         self.tids: set = set()   # native ids of reaper threads that may not have exited
-        # held by the thread in _loop while its jobs step (a step closes fds), and
-        # by steps_paused()
-        self.step_lock = threading.Lock()
         self.idle = threading.Event()
         self.idle.set()
 
@@ -118,18 +114,6 @@ def _start_thread(st: _State) -> None:
         except (RuntimeError, MemoryError):   # not started ("can't start new thread");
             st.running = False   # any other exception came after the start
             raise
-
-
-@contextlib.contextmanager
-def steps_paused():
-    """No job steps, and so no job closes an fd, until the block ends. For a
-    caller that passes fd numbers to processes it forks meanwhile (pool.py: a
-    forked worker closes the numbers it is given): a number closed here in
-    between could be reused by the fork's own pipes. The thread waits for the
-    lock in _loop, where a fork may go ahead (see _before_fork)."""
-    st = _STATE.get()
-    with st.step_lock:
-        yield
 
 
 def pending() -> int:
@@ -273,21 +257,20 @@ def _loop(st: _State) -> None:
                 time.sleep(_POLL_S)
         except (OSError, ValueError):   # an fd closed under us: look again shortly
             time.sleep(0.001)
+        now = time.monotonic()
         finished = 0
-        with st.step_lock:   # see steps_paused
-            now = time.monotonic()
-            for job in jobs:
-                try:
-                    done = job.step(now)
-                except Exception:
-                    st.failures[id(job)] = st.failures.get(id(job), 0) + 1
-                    done = st.failures[id(job)] >= _MAX_FAILURES
-                    if done:
-                        _abandon(job)
+        for job in jobs:
+            try:
+                done = job.step(now)
+            except Exception:
+                st.failures[id(job)] = st.failures.get(id(job), 0) + 1
+                done = st.failures[id(job)] >= _MAX_FAILURES
                 if done:
-                    finished += 1
-                    with st.lock:
-                        st.jobs.remove(job)
-                        st.failures.pop(id(job), None)
+                    _abandon(job)
+            if done:
+                finished += 1
+                with st.lock:
+                    st.jobs.remove(job)
+                    st.failures.pop(id(job), None)
         if ready and not finished:
             time.sleep(_RETRY_S)

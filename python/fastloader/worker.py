@@ -126,10 +126,11 @@ def close_inherited_fds(inherited, keep):
     and its siblings' (the pool lists them in `inherited` as (fd, st_dev, st_ino));
     close them so that fd counts stay constant. A number is closed only where it
     still names what the pool listed: had the main process closed it before the
-    fork (another thread shutting a loader down), the number may belong to this
-    worker's own pipe by now. (Eventfds and pidfds share one inode, so for those
-    the check tells less: the reaper's pause covers the usual closer, see
-    pool.py.)"""
+    fork (the reaper thread releasing a retired pool, another thread shutting a
+    loader down), the number may belong to this worker's own pipe by now, the
+    only fds the pool makes between listing and forking. (Every eventfd shares
+    one inode, as does every pidfd: a number reused by another of the same kind
+    would still be closed.)"""
     for fd, dev, ino in inherited:
         if fd < 0 or fd in keep:
             continue
