@@ -27,7 +27,8 @@ from multiprocessing import util as _mp_util
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from . import _core, forkserver, payload, reaper, sharing, shm_sweep, spawn_server, torch_sites
+from . import (_core, forkserver, payload, reaper, refused_fork, sharing, shm_sweep,
+               spawn_server, torch_sites)
 from .per_process import PerProcess
 from .fork_prep import prepare_for_fork
 from .distributed import rank_info
@@ -357,16 +358,23 @@ class WorkerPool:
 
     def _launch(self, procs, method):
         errors = [None] * len(procs)
+        started = [False] * len(procs)
 
         def start(i):
             try:
                 procs[i].start()
             except BaseException as exc:   # re-raised below, in the caller's thread
                 errors[i] = exc
-            else:
-                # at once: the next Process.start() would reap it, were it dead
-                # already, before its pidfd is opened (_record_started)
-                _unregister_child(procs[i])
+                # a refused fork: multiprocessing leaves the child's pipes open
+                refused_fork.close_pipes_of_refused_fork(exc)
+                if method in ("fork", "spawn"):
+                    refused_fork.explain(exc, len(self.procs) + i, len(procs))
+                return False
+            # at once: the next Process.start() would reap it, were it dead
+            # already, before its pidfd is opened (_record_started)
+            _unregister_child(procs[i])
+            started[i] = True
+            return True
 
         if method != "fork":
             # starting it unblocks SIGINT in the calling thread (see forkserver.py)
@@ -376,7 +384,7 @@ class WorkerPool:
             with deferred, loader_strategy(self.strategy_name), \
                     _reaper_thread_is_fork_safe(method):
                 self._start_procs(procs, start, method)
-                self._record_started(procs, errors, method)
+                self._record_started(procs, started, errors, method)
         finally:
             # a Ctrl-C during the start only now: every started worker is the
             # pool's to stop
@@ -393,9 +401,11 @@ class WorkerPool:
 
         if len(procs) == 1 or method == "fork":
             # fork: one after the other in this thread (a fork is the main
-            # process's own work; threads would only add theirs between the forks)
+            # process's own work; threads would only add theirs between the forks),
+            # none after one that failed: the pool stops the started ones anyway
             for i in range(len(procs)):
-                start(i)
+                if not start(i):
+                    return
             return
         threads = [threading.Thread(target=start_in_thread, args=(i,), daemon=True)
                    for i in range(len(procs))]
@@ -404,10 +414,10 @@ class WorkerPool:
         for t in threads:
             t.join()
 
-    def _record_started(self, procs, errors, method):
+    def _record_started(self, procs, started, errors, method):
         first = len(self.procs)
         for i, proc in enumerate(procs):
-            if errors[i] is None:
+            if started[i]:
                 self.procs.append(WorkerProcess(proc))
                 self._pids.append(proc.pid)
                 ch = self.channels[first + i]

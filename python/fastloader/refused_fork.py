@@ -1,0 +1,64 @@
+"""What a refused fork leaves behind, and what it tells the user.
+
+multiprocessing's fork start (`popen_fork.Popen._launch`) makes two pipes for the
+child and then calls os.fork(); when the fork fails (EAGAIN at the process limit,
+ENOMEM) the exception leaves `_launch` with all four pipe fds still open and no
+object that owns them. torch's DataLoader leaks them the same way: a program that
+retries `iter(loader)` while the machine is at its process limit runs out of fds
+after a few hundred tries. The failed frame still holds the four numbers, so they
+are closed from there: exactly those fds, made by this thread, that nothing else
+knows. Reimplementing `_launch` instead would mean copying what the child does
+after the fork, which changes between Python versions (3.12 added atexit handling).
+"""
+from __future__ import annotations
+
+import errno
+import os
+from multiprocessing import popen_fork
+
+_PIPE_NAMES = ("parent_r", "child_w", "child_r", "parent_w")
+_LAUNCH_CODE = popen_fork.Popen._launch.__code__
+
+_WHY = {
+    errno.EAGAIN: "the process limit was reached (`ulimit -u`, or the cgroup's pids.max "
+                  "in a container)",
+    errno.ENOMEM: "the kernel could not commit memory for the new process (a process "
+                  "that maps a lot of memory, with vm.overcommit_memory=2 or a memory "
+                  "cgroup at its limit)",
+}
+
+
+def close_pipes_of_refused_fork(exc: BaseException) -> list[int]:
+    """Close the pipes that `popen_fork.Popen._launch` made for a child whose
+    os.fork() raised `exc`; returns the fds closed. Closes nothing where the
+    failure was not inside that function's fork (its frame not in the traceback,
+    or a pipe not made yet)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code is not _LAUNCH_CODE:
+        tb = tb.tb_next
+    if tb is None:
+        return []
+    local = tb.tb_frame.f_locals
+    if local.get("self") is None or getattr(local["self"], "pid", None) is not None:
+        return []   # the fork returned: the Popen object owns its fds
+    closed = []
+    for name in _PIPE_NAMES:
+        fd = local.get(name)
+        if isinstance(fd, int) and fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                continue
+            closed.append(fd)
+    return closed
+
+
+def explain(exc: BaseException, worker_id: int, workers: int) -> None:
+    """Add a note naming the worker and the likely cause to an OSError of a
+    refused fork; the exception itself (type, errno) stays what os.fork() raised,
+    as torch's DataLoader raises it."""
+    if not isinstance(exc, OSError) or not hasattr(exc, "add_note"):
+        return
+    why = _WHY.get(exc.errno, "")
+    exc.add_note(f"fastloader: DataLoader worker {worker_id} of {workers} could not be "
+                 "started" + (f": {why}" if why else ""))

@@ -1,0 +1,111 @@
+"""The kernel refuses a worker's fork (EAGAIN at the user's process limit): iter()
+raises that OSError, with a note naming the worker and the cause, and leaves
+nothing behind: no fd (multiprocessing's fork start leaked the four pipe fds it
+had made for the child, for torch's DataLoader too), no process; the loader works
+once the limit is lifted."""
+import errno
+import gc
+import os
+import resource
+import time
+
+import psutil
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+import fastloader
+from fastloader import refused_fork
+from tests.support.helpers import in_forked_child
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0,
+                                reason="plays a user of its own with setuid (root only)")
+
+
+def _fd_table():
+    table = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            table[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:   # the listing's own fd, closed by now
+            pass
+    return table
+
+
+def _refused_then_lifted(extra):
+    # A uid of its own: RLIMIT_NPROC counts every task of the real uid on the
+    # machine, and other tests play uid 65534 at the same time.
+    uid = 1_900_000_000 + os.getpid()
+    loader = fastloader.DataLoader(TensorDataset(torch.arange(20.0)), batch_size=5,
+                                   num_workers=2, multiprocessing_context="fork")
+    list(loader)   # imports what an epoch needs while root: the new user may not read /root
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
+    before = _fd_table()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NPROC)
+    tasks = len(os.listdir("/proc/self/task"))   # all this uid runs: this process
+    real_fork, forks = os.fork, []
+
+    def counted_fork():
+        forks.append(1)
+        return real_fork()
+
+    os.fork = counted_fork   # this forked child's own os module
+    resource.setrlimit(resource.RLIMIT_NPROC, (tasks + extra, hard))
+    try:
+        iter(loader)
+        raised = None
+    except OSError as exc:
+        raised = exc
+    finally:
+        resource.setrlimit(resource.RLIMIT_NPROC, (soft, hard))
+        os.fork = real_fork
+    me = psutil.Process()
+
+    def new_fds():   # (the warm-up epoch's fds may be released meanwhile)
+        return {fd: what for fd, what in _fd_table().items() if before.get(fd) != what}
+
+    deadline = time.monotonic() + 30
+    while (me.children() or new_fds()) and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.05)
+    return {
+        "raised": None if raised is None else (type(raised).__name__, raised.errno,
+                                               getattr(raised, "__notes__", [])),
+        "left_open": new_fds(),
+        "forks": len(forks),
+        "children": [p.pid for p in me.children()],
+        "batches": [b.tolist() for (b,) in loader],
+    }
+
+
+@pytest.mark.parametrize("refused", [0, 1], ids=["first_fork", "second_fork"])
+def test_a_refused_fork_raises_with_a_note_and_leaves_nothing(refused):
+    got = in_forked_child(lambda: _refused_then_lifted(refused))
+    assert got["raised"] is not None, "iter() started both workers under the limit"
+    name, code, notes = got["raised"]
+    assert code == errno.EAGAIN, got["raised"]
+    assert any(f"DataLoader worker {refused} of 2 could not be started: the process "
+               "limit was reached" in note for note in notes), notes
+    # no fork after the refused one: the pool would only stop that worker again
+    assert got["forks"] == refused + 1, got["forks"]
+    assert got["left_open"] == {}, f"fds left open by the failed iter(): {got['left_open']}"
+    assert got["children"] == [], "a worker outlived the failed iter()"
+    assert got["batches"] == [[float(i) for i in range(k, k + 5)] for k in range(0, 20, 5)]
+
+
+def test_no_fd_is_closed_where_the_fork_was_not_the_failure():
+    """Only the frame of multiprocessing's fork start is looked at, and only
+    before its fork returned: another error closes nothing."""
+    r, w = os.pipe()
+    try:
+        try:
+            raise OSError(errno.EAGAIN, "not from a fork")
+        except OSError as exc:
+            assert refused_fork.close_pipes_of_refused_fork(exc) == []
+        os.fstat(r)
+        os.fstat(w)
+    finally:
+        os.close(r)
+        os.close(w)
