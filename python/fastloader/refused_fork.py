@@ -14,17 +14,19 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 from multiprocessing import popen_fork
 
+# popen_fork.Popen._launch: parent_r, child_w = os.pipe(); child_r, parent_w = os.pipe()
 _PIPE_NAMES = ("parent_r", "child_w", "child_r", "parent_w")
 _LAUNCH_CODE = popen_fork.Popen._launch.__code__
 
 _WHY = {
     errno.EAGAIN: "the process limit was reached (`ulimit -u`, or the cgroup's pids.max "
                   "in a container)",
-    errno.ENOMEM: "the kernel could not commit memory for the new process (a process "
-                  "that maps a lot of memory, with vm.overcommit_memory=2 or a memory "
-                  "cgroup at its limit)",
+    errno.ENOMEM: "the kernel could not allocate memory for the new process (memory "
+                  "is exhausted, or vm.overcommit_memory=2 and this process maps a lot "
+                  "of memory)",
 }
 
 
@@ -42,15 +44,25 @@ def close_pipes_of_refused_fork(exc: BaseException) -> list[int]:
     if local.get("self") is None or getattr(local["self"], "pid", None) is not None:
         return []   # the fork returned: the Popen object owns its fds
     closed = []
-    for name in _PIPE_NAMES:
-        fd = local.get(name)
-        if isinstance(fd, int) and fd >= 0:
-            try:
+    # (read end, write end) of each pipe; only a pair that still is one pipe is
+    # closed, in case a later Python closes them itself and the numbers are reused
+    for read_name, write_name in (_PIPE_NAMES[:2], _PIPE_NAMES[2:]):
+        pair = (local.get(read_name), local.get(write_name))
+        if _one_pipe(*pair):
+            for fd in pair:
                 os.close(fd)
-            except OSError:
-                continue
-            closed.append(fd)
+                closed.append(fd)
     return closed
+
+
+def _one_pipe(read_fd, write_fd) -> bool:
+    if not (isinstance(read_fd, int) and isinstance(write_fd, int)):
+        return False
+    try:
+        a, b = os.fstat(read_fd), os.fstat(write_fd)
+    except OSError:
+        return False
+    return (stat.S_ISFIFO(a.st_mode) and (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino))
 
 
 def explain(exc: BaseException, worker_id: int, workers: int) -> None:

@@ -7,6 +7,7 @@ import errno
 import gc
 import os
 import resource
+import sys
 import time
 
 import psutil
@@ -15,7 +16,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 import fastloader
-from fastloader import refused_fork
+from fastloader import reaper, refused_fork
 from tests.support.helpers import in_forked_child
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0,
@@ -39,6 +40,9 @@ def _refused_then_lifted(extra):
     loader = fastloader.DataLoader(TensorDataset(torch.arange(20.0)), batch_size=5,
                                    num_workers=2, multiprocessing_context="fork")
     list(loader)   # imports what an epoch needs while root: the new user may not read /root
+    # the reaper thread, reaping that epoch's workers, is a task of this process
+    # too: once it has exited, this process is all that the new uid runs
+    assert reaper.wait_idle(30), "the warm-up epoch's workers were not reaped"
     os.setgroups([])
     os.setgid(uid)
     os.setuid(uid)
@@ -70,13 +74,15 @@ def _refused_then_lifted(extra):
     while (me.children() or new_fds()) and time.monotonic() < deadline:
         gc.collect()
         time.sleep(0.05)
+    batches = [b.tolist() for (b,) in loader]
+    assert reaper.wait_idle(30)   # no worker outlives this child's os._exit
     return {
         "raised": None if raised is None else (type(raised).__name__, raised.errno,
                                                getattr(raised, "__notes__", [])),
         "left_open": new_fds(),
         "forks": len(forks),
         "children": [p.pid for p in me.children()],
-        "batches": [b.tolist() for (b,) in loader],
+        "batches": batches,
     }
 
 
@@ -86,8 +92,9 @@ def test_a_refused_fork_raises_with_a_note_and_leaves_nothing(refused):
     assert got["raised"] is not None, "iter() started both workers under the limit"
     name, code, notes = got["raised"]
     assert code == errno.EAGAIN, got["raised"]
-    assert any(f"DataLoader worker {refused} of 2 could not be started: the process "
-               "limit was reached" in note for note in notes), notes
+    if sys.version_info >= (3, 11):   # exception notes
+        assert any(f"DataLoader worker {refused} of 2 could not be started: the process "
+                   "limit was reached" in note for note in notes), notes
     # no fork after the refused one: the pool would only stop that worker again
     assert got["forks"] == refused + 1, got["forks"]
     assert got["left_open"] == {}, f"fds left open by the failed iter(): {got['left_open']}"
@@ -109,3 +116,39 @@ def test_no_fd_is_closed_where_the_fork_was_not_the_failure():
     finally:
         os.close(r)
         os.close(w)
+
+
+def _fork_start_that_fails_after_the_fork():
+    """multiprocessing's fork start with util.Finalize raising in the parent,
+    after os.fork() returned: the pipes are then the Popen's, not leaked."""
+    from multiprocessing import get_context, util
+    proc = get_context("fork").Process(target=os._exit, args=(0,))
+    real = util.Finalize
+
+    def failing(*args, **kwargs):
+        raise OSError(errno.EAGAIN, "raised after the fork")
+
+    util.Finalize = failing
+    try:
+        proc.start()
+    except OSError as exc:
+        error = exc
+    finally:
+        util.Finalize = real
+    frame = error.__traceback__
+    while frame.tb_next is not None and frame.tb_frame.f_code.co_name != "_launch":
+        frame = frame.tb_next
+    local = frame.tb_frame.f_locals
+    closed = refused_fork.close_pipes_of_refused_fork(error)
+    still_open = []
+    for name in ("parent_r", "parent_w"):
+        os.fstat(local[name])   # raises if it was closed
+        still_open.append(name)
+        os.close(local[name])
+    os.waitpid(local["self"].pid, 0)
+    return closed, still_open
+
+
+def test_no_fd_is_closed_once_the_fork_returned():
+    closed, still_open = in_forked_child(_fork_start_that_fails_after_the_fork)
+    assert closed == [] and still_open == ["parent_r", "parent_w"], (closed, still_open)
