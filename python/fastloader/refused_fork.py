@@ -18,7 +18,7 @@ import stat
 from multiprocessing import popen_fork
 
 # popen_fork.Popen._launch: parent_r, child_w = os.pipe(); child_r, parent_w = os.pipe()
-_PIPE_NAMES = ("parent_r", "child_w", "child_r", "parent_w")
+_PIPES = (("parent_r", "child_w"), ("child_r", "parent_w"))   # (read end, write end)
 _LAUNCH_CODE = popen_fork.Popen._launch.__code__
 
 _WHY = {
@@ -44,9 +44,9 @@ def close_pipes_of_refused_fork(exc: BaseException) -> list[int]:
     if local.get("self") is None or getattr(local["self"], "pid", None) is not None:
         return []   # the fork returned: the Popen object owns its fds
     closed = []
-    # (read end, write end) of each pipe; only a pair that still is one pipe is
-    # closed, in case a later Python closes them itself and the numbers are reused
-    for read_name, write_name in (_PIPE_NAMES[:2], _PIPE_NAMES[2:]):
+    # only a pair that still is one pipe is closed, in case a later Python
+    # closes them itself and the numbers are reused
+    for read_name, write_name in _PIPES:
         pair = (local.get(read_name), local.get(write_name))
         if _one_pipe(*pair):
             for fd in pair:

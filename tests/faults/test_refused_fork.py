@@ -91,7 +91,7 @@ def test_a_refused_fork_raises_with_a_note_and_leaves_nothing(refused):
     got = in_forked_child(lambda: _refused_then_lifted(refused))
     assert got["raised"] is not None, "iter() started both workers under the limit"
     name, code, notes = got["raised"]
-    assert code == errno.EAGAIN, got["raised"]
+    assert (name, code) == ("BlockingIOError", errno.EAGAIN), got["raised"]
     if sys.version_info >= (3, 11):   # exception notes
         assert any(f"DataLoader worker {refused} of 2 could not be started: the process "
                    "limit was reached" in note for note in notes), notes
