@@ -199,7 +199,13 @@ fl_worker_arm(fl_ctl *ctl, const char *seg_prefix, pid_t main_pid, int *err)
         g_watchdog_running = 0;
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     pthread_attr_destroy(&attr);
-    if (rc != 0) {
+    /* No thread to be had (EAGAIN at the user's process limit or a cgroup's
+     * pids.max, which count threads; the fork itself got through): the worker
+     * goes on without the watchdog. PR_SET_PDEATHSIG above still reaches it when
+     * the main process dies, and on_parent_death then cleans up itself; what is
+     * lost is only the case where the thread that forked us exited first. Failing
+     * the worker here would fail the epoch with an exit code and no cause. */
+    if (rc != 0 && rc != EAGAIN) {
         *err = rc;
         return FL_ERRNO;
     }

@@ -94,8 +94,69 @@ def retire(job) -> None:
     with st.lock:
         st.jobs.append(job)
         st.idle.clear()
-        if not st.forking:   # else _after_fork_in_parent starts it
+        if st.forking:   # _after_fork_in_parent starts it
+            return
+        try:
             _start_thread(st)
+            return
+        except (RuntimeError, MemoryError):
+            st.jobs.remove(job)   # no thread to be had: see below
+            _set_idle_if_done(st)
+    _finish_here(st, job)
+
+
+def _finish_here(st: _State, job) -> None:
+    """Do the reaper thread's work for `job` on this thread: no thread could be
+    started (the user's process limit or a cgroup's pids.max counts threads, and
+    was reached). Leaving the job queued would leave its workers unreaped, and a
+    zombie still counts against that limit, so the next epoch's fork would be
+    refused too. The training loop waits here, as torch's does for its workers.
+    Interrupted (Ctrl-C), the job goes back to the queue for the next retire(),
+    wait_idle() or interpreter exit."""
+    try:
+        while True:
+            try:
+                fds = job.wait_fds()
+            except Exception:
+                fds = []
+            ready = []
+            try:
+                if fds:
+                    ready = _wait_fds(fds, _POLL_S)
+                else:
+                    time.sleep(_POLL_S)
+            except (OSError, ValueError):   # an fd closed under us: look again shortly
+                time.sleep(0.001)
+            if _step(st, job, time.monotonic()):
+                return
+            if ready:
+                time.sleep(_RETRY_S)
+    except BaseException:
+        with st.lock:
+            st.jobs.append(job)
+            st.idle.clear()
+        raise
+
+
+def _step(st: _State, job, now: float) -> bool:
+    """job.step(now); True when the job is finished, or given up after its step
+    failed _MAX_FAILURES times (then told so by abandon())."""
+    try:
+        done = job.step(now)
+    except Exception:
+        st.failures[id(job)] = st.failures.get(id(job), 0) + 1
+        done = st.failures[id(job)] >= _MAX_FAILURES
+        if done:
+            _abandon(job)
+    if done:
+        st.failures.pop(id(job), None)
+    return done
+
+
+def _set_idle_if_done(st: _State) -> None:
+    # (st.lock held)
+    if not st.jobs and not st.running:
+        st.idle.set()
 
 
 def _abandon(job) -> None:
@@ -190,9 +251,21 @@ def wait_idle(timeout: float) -> bool:
     exited; False if that took longer than `timeout` seconds."""
     st = _STATE.get()
     end = time.monotonic() + timeout
+    stranded = []
     with st.lock:   # a job queued while no thread could start (see retire)
         if st.jobs and not st.forking:
-            _start_thread(st)
+            try:
+                _start_thread(st)
+            except (RuntimeError, MemoryError):   # still none: wait for them here
+                stranded, st.jobs = st.jobs, []
+                _set_idle_if_done(st)
+    for i, job in enumerate(stranded):
+        try:
+            _finish_here(st, job)
+        except BaseException:
+            with st.lock:   # (_finish_here put back its own)
+                st.jobs.extend(stranded[i + 1:])
+            raise
     if not st.idle.wait(timeout):
         return False
     while True:
@@ -260,17 +333,9 @@ def _loop(st: _State) -> None:
         now = time.monotonic()
         finished = 0
         for job in jobs:
-            try:
-                done = job.step(now)
-            except Exception:
-                st.failures[id(job)] = st.failures.get(id(job), 0) + 1
-                done = st.failures[id(job)] >= _MAX_FAILURES
-                if done:
-                    _abandon(job)
-            if done:
+            if _step(st, job, now):
                 finished += 1
                 with st.lock:
                     st.jobs.remove(job)
-                    st.failures.pop(id(job), None)
         if ready and not finished:
             time.sleep(_RETRY_S)

@@ -1,8 +1,14 @@
-"""The kernel refuses a worker's fork (EAGAIN at the user's process limit): iter()
-raises that OSError, with a note naming the worker and the cause, and leaves
-nothing behind: no fd (multiprocessing's fork start leaked the four pipe fds it
-had made for the child, for torch's DataLoader too), no process; the loader works
-once the limit is lifted."""
+"""At the user's process limit (RLIMIT_NPROC, which counts threads too).
+
+The kernel refuses a worker's fork (EAGAIN): iter() raises that OSError, with a
+note naming the worker and the cause, and leaves nothing behind: no fd
+(multiprocessing's fork start leaked the four pipe fds it had made for the child,
+for torch's DataLoader too), no process; the loader works once the limit is lifted.
+
+The forks get through but no thread can be started, in the workers or in the main
+process: epochs run all the same (torch's DataLoader fails there: "can't start new
+thread"), the workers without their watchdog thread and the main process reaping
+them itself."""
 import errno
 import gc
 import os
@@ -33,12 +39,15 @@ def _fd_table():
     return table
 
 
-def _refused_then_lifted(extra):
+def _loader_as_a_user_of_its_own(num_workers):
+    """A loader that has run one epoch, in this (forked) process turned into a
+    user that runs nothing else; how many tasks the user runs (this process's
+    threads)."""
     # A uid of its own: RLIMIT_NPROC counts every task of the real uid on the
     # machine, and other tests play uid 65534 at the same time.
     uid = 1_900_000_000 + os.getpid()
     loader = fastloader.DataLoader(TensorDataset(torch.arange(20.0)), batch_size=5,
-                                   num_workers=2, multiprocessing_context="fork")
+                                   num_workers=num_workers, multiprocessing_context="fork")
     list(loader)   # imports what an epoch needs while root: the new user may not read /root
     # the reaper thread, reaping that epoch's workers, is a task of this process
     # too: once it has exited, this process is all that the new uid runs
@@ -46,9 +55,13 @@ def _refused_then_lifted(extra):
     os.setgroups([])
     os.setgid(uid)
     os.setuid(uid)
+    return loader, len(os.listdir("/proc/self/task"))
+
+
+def _refused_then_lifted(extra):
+    loader, tasks = _loader_as_a_user_of_its_own(2)
     before = _fd_table()
     soft, hard = resource.getrlimit(resource.RLIMIT_NPROC)
-    tasks = len(os.listdir("/proc/self/task"))   # all this uid runs: this process
     real_fork, forks = os.fork, []
 
     def counted_fork():
@@ -100,6 +113,39 @@ def test_a_refused_fork_raises_with_a_note_and_leaves_nothing(refused):
     assert got["left_open"] == {}, f"fds left open by the failed iter(): {got['left_open']}"
     assert got["children"] == [], "a worker outlived the failed iter()"
     assert got["batches"] == [[float(i) for i in range(k, k + 5)] for k in range(0, 20, 5)]
+
+
+def _epochs_with_no_thread_to_be_had(num_workers):
+    loader, tasks = _loader_as_a_user_of_its_own(num_workers)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NPROC)
+    # room for the workers' forks and not one thread more
+    resource.setrlimit(resource.RLIMIT_NPROC, (tasks + num_workers, hard))
+    try:
+        epochs, errors = [], []
+        for _ in range(2):   # the second epoch forks again: the first's were reaped
+            try:
+                epochs.append([b.tolist() for (b,) in loader])
+            except Exception as exc:   # noqa: BLE001 - reported to the test
+                errors.append(f"{type(exc).__name__}: {exc}")
+        children = [p.pid for p in psutil.Process().children()]
+        threads = len(os.listdir("/proc/self/task"))
+    finally:
+        resource.setrlimit(resource.RLIMIT_NPROC, (soft, hard))
+    assert reaper.wait_idle(30)
+    return {"epochs": epochs, "errors": errors, "children": children,
+            "threads": threads, "tasks": tasks}
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_epochs_run_where_no_thread_can_be_started(num_workers):
+    got = in_forked_child(lambda: _epochs_with_no_thread_to_be_had(num_workers))
+    assert got["errors"] == [], got["errors"]
+    expected = [[float(i) for i in range(k, k + 5)] for k in range(0, 20, 5)]
+    assert got["epochs"] == [expected, expected]
+    # each epoch's workers were reaped before iter() returned the last batch's
+    # StopIteration: none left, and no thread was started on the way
+    assert got["children"] == [], "workers left unreaped"
+    assert got["threads"] == got["tasks"]
 
 
 def test_no_fd_is_closed_where_the_fork_was_not_the_failure():
