@@ -26,6 +26,9 @@ setup(
             define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_20_API_VERSION")],
             extra_compile_args=extra,
             extra_link_args=link,
+            # timer_create (liveness.c) lives in librt before glibc 2.34; an empty
+            # stub after it
+            libraries=["rt"],
         )
     ],
 )

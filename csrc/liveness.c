@@ -12,6 +12,7 @@
 #include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #ifndef SYS_pidfd_open
@@ -108,8 +109,10 @@ main_is_gone(void)
     return getppid() != g_main_pid && kill(g_main_pid, 0) < 0;
 }
 
-/* PR_SET_PDEATHSIG fires when the *thread* that forked us exits, which need not
- * mean the main process is gone: only act if it really is. */
+/* PR_SET_PDEATHSIG fires when the *thread* that forked us exits (and again for
+ * each parent thread we are handed to), which need not mean the main process is
+ * gone: only act if it really is. Without a watchdog thread, the watch timer's
+ * signal (arm_watch_timer) runs this too. */
 static void
 on_parent_death(int sig)
 {
@@ -148,6 +151,38 @@ watchdog(void *arg)
         }
     }
     return NULL;
+}
+
+/* No thread to be had for the watchdog: EAGAIN at the user's process limit or a
+ * cgroup's pids.max, which count threads (the fork itself got through). Failing
+ * the worker would fail the epoch with an exit code and no cause, so it goes on
+ * and looks for the main process's death on a timer instead: a signal every
+ * WATCH_TIMER_NS runs on_parent_death, which cleans up and exits once the main
+ * process is gone. PR_SET_PDEATHSIG alone would not do: its signal comes from our
+ * parent, which is not the main process under forkserver, and it can come before
+ * the main process's pidfd reads as exited (then it is not sent again). The timer
+ * is a kernel object, not a task; a fork of this worker does not inherit it. */
+#define WATCH_TIMER_NS 200000000L
+
+static int
+arm_watch_timer(int sig, int *err)
+{
+    struct sigevent sev;
+    memset(&sev, 0, sizeof(sev));
+    sev.sigev_notify = SIGEV_SIGNAL;
+    sev.sigev_signo = sig;
+    timer_t timer;
+    if (timer_create(CLOCK_MONOTONIC, &sev, &timer) < 0) {
+        *err = errno;
+        return FL_ERRNO;
+    }
+    struct itimerspec every = {{0, WATCH_TIMER_NS}, {0, WATCH_TIMER_NS}};
+    if (timer_settime(timer, 0, &every, NULL) < 0) {
+        *err = errno;
+        timer_delete(timer);
+        return FL_ERRNO;
+    }
+    return FL_OK;
 }
 
 int
@@ -199,13 +234,9 @@ fl_worker_arm(fl_ctl *ctl, const char *seg_prefix, pid_t main_pid, int *err)
         g_watchdog_running = 0;
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     pthread_attr_destroy(&attr);
-    /* No thread to be had (EAGAIN at the user's process limit or a cgroup's
-     * pids.max, which count threads; the fork itself got through): the worker
-     * goes on without the watchdog. PR_SET_PDEATHSIG above still reaches it when
-     * the main process dies, and on_parent_death then cleans up itself; what is
-     * lost is only the case where the thread that forked us exited first. Failing
-     * the worker here would fail the epoch with an exit code and no cause. */
-    if (rc != 0 && rc != EAGAIN) {
+    if (rc == EAGAIN)
+        return arm_watch_timer(sig, err);
+    if (rc != 0) {
         *err = rc;
         return FL_ERRNO;
     }

@@ -62,6 +62,9 @@ class _State:
         # meanwhile no thread starts and the one in _loop does not leave it
         self.forking = 0
         self.jobs: list = []
+        # jobs being finished by a caller of retire() or wait_idle() itself, where
+        # no thread could be started (_finish_queued_here): not idle meanwhile
+        self.inline = 0
         self.failures: dict = {}
         self.running = False
         # native id of the thread inside _loop (it holds the GIL or waits for it or
@@ -84,7 +87,8 @@ os.register_at_fork(before=lambda: _before_fork(),
 
 def retire(job) -> None:
     """Hand `job` to the reaper thread (started if it is not running; during a
-    fork, once the fork is done).
+    fork, once the fork is done). Where no thread can be started, the job is
+    finished here (see _finish_queued_here).
 
     The thread is started with _thread, not threading.Thread: Thread.start()
     waits until the new thread runs, which on a busy box (the workers that were
@@ -100,19 +104,41 @@ def retire(job) -> None:
             _start_thread(st)
             return
         except (RuntimeError, MemoryError):
-            st.jobs.remove(job)   # no thread to be had: see below
-            _set_idle_if_done(st)
-    _finish_here(st, job)
+            pass   # no thread to be had
+    _finish_queued_here(st)
+
+
+def _finish_queued_here(st: _State) -> None:
+    """Do the reaper thread's work on this thread, one queued job after another,
+    until none is left or a thread runs again: no thread could be started (the
+    user's process limit or a cgroup's pids.max counts threads, and was reached).
+    Leaving the jobs queued would leave their workers unreaped, and a zombie still
+    counts against that limit, so the next epoch's fork would be refused too. The
+    training loop waits here, as torch's does for its workers.
+
+    Not while this thread holds st.lock (a garbage collection inside a locked
+    section ran an iterator's finalizer that retired its pool): the lock is never
+    held across a wait. The jobs then stay queued for the next retire() or
+    wait_idle(), or interpreter exit."""
+    if st.lock._is_owned():
+        return
+    while True:
+        with st.lock:
+            if st.running or not st.jobs:
+                return   # a thread took over, or nothing is left
+            job = st.jobs.pop(0)
+            st.inline += 1
+        try:
+            _finish_here(st, job)
+        finally:
+            with st.lock:
+                st.inline -= 1
+                _set_idle_if_done(st)
 
 
 def _finish_here(st: _State, job) -> None:
-    """Do the reaper thread's work for `job` on this thread: no thread could be
-    started (the user's process limit or a cgroup's pids.max counts threads, and
-    was reached). Leaving the job queued would leave its workers unreaped, and a
-    zombie still counts against that limit, so the next epoch's fork would be
-    refused too. The training loop waits here, as torch's does for its workers.
-    Interrupted (Ctrl-C), the job goes back to the queue for the next retire(),
-    wait_idle() or interpreter exit."""
+    """Wait for `job` and step it until it is finished, on this thread.
+    Interrupted (Ctrl-C), the job goes back to the queue."""
     try:
         while True:
             try:
@@ -155,7 +181,7 @@ def _step(st: _State, job, now: float) -> bool:
 
 def _set_idle_if_done(st: _State) -> None:
     # (st.lock held)
-    if not st.jobs and not st.running:
+    if not st.jobs and not st.running and not st.inline:
         st.idle.set()
 
 
@@ -181,7 +207,7 @@ def pending() -> int:
     """How many retired pools are still being waited for."""
     st = _STATE.get()
     with st.lock:
-        return len(st.jobs)
+        return len(st.jobs) + st.inline
 
 
 def busy() -> bool:
@@ -251,21 +277,15 @@ def wait_idle(timeout: float) -> bool:
     exited; False if that took longer than `timeout` seconds."""
     st = _STATE.get()
     end = time.monotonic() + timeout
-    stranded = []
+    no_thread = False
     with st.lock:   # a job queued while no thread could start (see retire)
         if st.jobs and not st.forking:
             try:
                 _start_thread(st)
-            except (RuntimeError, MemoryError):   # still none: wait for them here
-                stranded, st.jobs = st.jobs, []
-                _set_idle_if_done(st)
-    for i, job in enumerate(stranded):
-        try:
-            _finish_here(st, job)
-        except BaseException:
-            with st.lock:   # (_finish_here put back its own)
-                st.jobs.extend(stranded[i + 1:])
-            raise
+            except (RuntimeError, MemoryError):
+                no_thread = True
+    if no_thread:   # still none: finished here (bounded by the pools' own deadlines)
+        _finish_queued_here(st)
     if not st.idle.wait(timeout):
         return False
     while True:
@@ -314,7 +334,7 @@ def _loop(st: _State) -> None:
             if not st.jobs and not st.forking:
                 st.running = False
                 st.loop_tid = None
-                st.idle.set()
+                _set_idle_if_done(st)
                 return
         fds = []
         for job in jobs:

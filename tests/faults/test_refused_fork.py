@@ -9,10 +9,13 @@ The forks get through but no thread can be started, in the workers or in the mai
 process: epochs run all the same (torch's DataLoader fails there: "can't start new
 thread"), the workers without their watchdog thread and the main process reaping
 them itself."""
+import ctypes
 import errno
 import gc
 import os
 import resource
+import select
+import signal
 import sys
 import time
 
@@ -39,15 +42,16 @@ def _fd_table():
     return table
 
 
-def _loader_as_a_user_of_its_own(num_workers):
+def _loader_as_a_user_of_its_own(num_workers, dataset=None, **kwargs):
     """A loader that has run one epoch, in this (forked) process turned into a
     user that runs nothing else; how many tasks the user runs (this process's
     threads)."""
     # A uid of its own: RLIMIT_NPROC counts every task of the real uid on the
     # machine, and other tests play uid 65534 at the same time.
     uid = 1_900_000_000 + os.getpid()
-    loader = fastloader.DataLoader(TensorDataset(torch.arange(20.0)), batch_size=5,
-                                   num_workers=num_workers, multiprocessing_context="fork")
+    dataset = TensorDataset(torch.arange(20.0)) if dataset is None else dataset
+    loader = fastloader.DataLoader(dataset, batch_size=5, num_workers=num_workers,
+                                   multiprocessing_context="fork", **kwargs)
     list(loader)   # imports what an epoch needs while root: the new user may not read /root
     # the reaper thread, reaping that epoch's workers, is a task of this process
     # too: once it has exited, this process is all that the new uid runs
@@ -115,11 +119,32 @@ def test_a_refused_fork_raises_with_a_note_and_leaves_nothing(refused):
     assert got["batches"] == [[float(i) for i in range(k, k + 5)] for k in range(0, 20, 5)]
 
 
+def _tasks_of(uid):
+    """How many tasks (threads, zombies included) `uid` runs on the machine."""
+    count = 0
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                if os.stat(f"/proc/{pid}").st_uid == uid:
+                    count += len(os.listdir(f"/proc/{pid}/task"))
+            except OSError:   # gone meanwhile
+                pass
+    return count
+
+
 def _epochs_with_no_thread_to_be_had(num_workers):
     loader, tasks = _loader_as_a_user_of_its_own(num_workers)
     soft, hard = resource.getrlimit(resource.RLIMIT_NPROC)
-    # room for the workers' forks and not one thread more
-    resource.setrlimit(resource.RLIMIT_NPROC, (tasks + num_workers, hard))
+    real_fork = os.fork
+
+    def fork_at_the_limit():
+        # room for this fork and not one task more: the worker starts at the limit
+        # (its own copy of it), whatever its siblings do meanwhile
+        resource.setrlimit(resource.RLIMIT_NPROC, (_tasks_of(os.getuid()) + 1, hard))
+        return real_fork()
+
+    os.fork = fork_at_the_limit   # this forked child's own os module
+    resource.setrlimit(resource.RLIMIT_NPROC, (tasks, hard))   # no thread either
     try:
         epochs, errors = [], []
         for _ in range(2):   # the second epoch forks again: the first's were reaped
@@ -131,6 +156,7 @@ def _epochs_with_no_thread_to_be_had(num_workers):
         threads = len(os.listdir("/proc/self/task"))
     finally:
         resource.setrlimit(resource.RLIMIT_NPROC, (soft, hard))
+        os.fork = real_fork
     assert reaper.wait_idle(30)
     return {"epochs": epochs, "errors": errors, "children": children,
             "threads": threads, "tasks": tasks}
@@ -146,6 +172,80 @@ def test_epochs_run_where_no_thread_can_be_started(num_workers):
     # StopIteration: none left, and no thread was started on the way
     assert got["children"] == [], "workers left unreaped"
     assert got["threads"] == got["tasks"]
+
+
+class _SleepsOnceTold(torch.utils.data.Dataset):
+    """A worker that stays in the dataset's code (`sleep` set before iter())."""
+
+    sleep = False
+
+    def __len__(self):
+        return 20
+
+    def __getitem__(self, index):
+        if self.sleep:
+            time.sleep(120)
+        return index
+
+
+def _report_and_forget_the_parent(fd):
+    def init(worker_id):
+        if _SleepsOnceTold.sleep:
+            # The parent-death signal cleared (PR_SET_PDEATHSIG 0), as for a worker
+            # whose parent is not the main process (forkserver): only the worker's
+            # own watch is left to see the main process die.
+            assert ctypes.CDLL(None, use_errno=True).prctl(1, 0, 0, 0, 0) == 0
+            os.write(fd, f"{os.getpid()}\n".encode())
+    return init
+
+
+def _worker_gone(pid):
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE   # (our pid 1's to reap)
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_a_worker_with_no_watchdog_thread_exits_when_the_main_process_dies():
+    """A worker that could start no watchdog thread still sees the main process
+    die while it runs the dataset's code, and exits, within a second or so."""
+    r, w = os.pipe()
+    main = os.fork()
+    if main == 0:   # the main process of the loader, killed below
+        try:
+            os.close(r)
+            loader, tasks = _loader_as_a_user_of_its_own(
+                1, _SleepsOnceTold(), worker_init_fn=_report_and_forget_the_parent(w))
+            _, hard = resource.getrlimit(resource.RLIMIT_NPROC)
+            resource.setrlimit(resource.RLIMIT_NPROC, (tasks + 1, hard))   # the fork only
+            _SleepsOnceTold.sleep = True
+            next(iter(loader))
+        finally:
+            os._exit(1)
+    os.close(w)
+    worker = None
+    try:
+        with os.fdopen(r) as reports:
+            ready, _, _ = select.select([reports], [], [], 120)
+            assert ready, "the worker did not start"
+            line = reports.readline()
+        assert line, "the loader's process ended before its worker reported"
+        worker = int(line)
+        # the case under test: the worker runs without its watchdog thread
+        assert len(os.listdir(f"/proc/{worker}/task")) == 1
+        os.kill(main, signal.SIGKILL)
+        os.waitpid(main, 0)
+        main = None
+        deadline = time.monotonic() + 20
+        while not _worker_gone(worker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _worker_gone(worker), "the worker outlived the main process"
+    finally:
+        if main is not None:
+            os.kill(main, signal.SIGKILL)
+            os.waitpid(main, 0)
+        if worker is not None and not _worker_gone(worker):
+            os.kill(worker, signal.SIGKILL)
 
 
 def test_no_fd_is_closed_where_the_fork_was_not_the_failure():
