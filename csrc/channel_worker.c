@@ -246,6 +246,7 @@ workerchan_get_task(WorkerChannelObject *w, PyObject *Py_UNUSED(ignored))
             atomic_store(&w->ctl->worker_waiting, 0);
             continue;
         }
+        fl_worker_watch_retry();
         struct pollfd pf[2] = {{.fd = w->efd_worker, .events = POLLIN},
                                {.fd = w->main_pidfd, .events = POLLIN}};
         int rc, saved;

@@ -153,16 +153,44 @@ watchdog(void *arg)
     return NULL;
 }
 
+static int
+start_watchdog(void)
+{
+    pthread_t t;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    pthread_attr_setstacksize(&attr, 64 * 1024);
+    /* The watchdog must not take signals meant for the Python main thread. */
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old);
+    g_watchdog_running = 1;
+    int rc = pthread_create(&t, &attr, watchdog, NULL);
+    if (rc != 0)
+        g_watchdog_running = 0;
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    pthread_attr_destroy(&attr);
+    return rc;
+}
+
 /* No thread to be had for the watchdog: EAGAIN at the user's process limit or a
  * cgroup's pids.max, which count threads (the fork itself got through). Failing
  * the worker would fail the epoch with an exit code and no cause, so it goes on
- * and looks for the main process's death on a timer instead: a signal every
- * WATCH_TIMER_NS runs on_parent_death, which cleans up and exits once the main
- * process is gone. PR_SET_PDEATHSIG alone would not do: its signal comes from our
- * parent, which is not the main process under forkserver, and it can come before
- * the main process's pidfd reads as exited (then it is not sent again). The timer
- * is a kernel object, not a task; a fork of this worker does not inherit it. */
-#define WATCH_TIMER_NS 200000000L
+ * and looks for the main process's death on a timer until a thread can be had
+ * (fl_worker_watch_retry): a signal every WATCH_TIMER_S runs on_parent_death,
+ * which cleans up and exits once the main process is gone. PR_SET_PDEATHSIG
+ * alone would not do: its signal comes from our parent, which is not the main
+ * process under forkserver, and it can come before the main process's pidfd reads
+ * as exited (then it is not sent again). The timer is a kernel object, not a
+ * task; a fork of this worker does not inherit it. Its signal interrupts system
+ * calls in the dataset's code once a second (EINTR, which Python retries; our own
+ * reservations go in chunks for it, see fl_shm_reserve). */
+#define WATCH_TIMER_S 1
+
+static timer_t g_watch_timer;
+static int g_watch_timer_armed;
+static struct timespec g_watch_retry_at;
 
 static int
 arm_watch_timer(int sig, int *err)
@@ -171,18 +199,40 @@ arm_watch_timer(int sig, int *err)
     memset(&sev, 0, sizeof(sev));
     sev.sigev_notify = SIGEV_SIGNAL;
     sev.sigev_signo = sig;
-    timer_t timer;
-    if (timer_create(CLOCK_MONOTONIC, &sev, &timer) < 0) {
+    if (timer_create(CLOCK_MONOTONIC, &sev, &g_watch_timer) < 0) {
         *err = errno;
         return FL_ERRNO;
     }
-    struct itimerspec every = {{0, WATCH_TIMER_NS}, {0, WATCH_TIMER_NS}};
-    if (timer_settime(timer, 0, &every, NULL) < 0) {
+    struct itimerspec every = {{WATCH_TIMER_S, 0}, {WATCH_TIMER_S, 0}};
+    if (timer_settime(g_watch_timer, 0, &every, NULL) < 0) {
         *err = errno;
-        timer_delete(timer);
+        timer_delete(g_watch_timer);
         return FL_ERRNO;
     }
+    g_watch_timer_armed = 1;
+    clock_gettime(CLOCK_MONOTONIC_COARSE, &g_watch_retry_at);
+    g_watch_retry_at.tv_sec += WATCH_TIMER_S;
     return FL_OK;
+}
+
+void
+fl_worker_watch_retry(void)
+{
+    if (!g_watch_timer_armed)
+        return;
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC_COARSE, &now);
+    if (now.tv_sec < g_watch_retry_at.tv_sec ||
+        (now.tv_sec == g_watch_retry_at.tv_sec && now.tv_nsec < g_watch_retry_at.tv_nsec))
+        return;
+    g_watch_retry_at = now;
+    g_watch_retry_at.tv_sec += WATCH_TIMER_S;
+    if (start_watchdog() != 0)
+        return;   /* still none: the timer goes on */
+    /* (a signal already queued still arrives: on_parent_death then finds the
+     * watchdog running and leaves it the cleanup) */
+    timer_delete(g_watch_timer);
+    g_watch_timer_armed = 0;
 }
 
 int
@@ -219,21 +269,7 @@ fl_worker_arm(fl_ctl *ctl, const char *seg_prefix, pid_t main_pid, int *err)
         fl_worker_unlink_pending();
         _exit(1);
     }
-    pthread_t t;
-    pthread_attr_t attr;
-    pthread_attr_init(&attr);
-    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    pthread_attr_setstacksize(&attr, 64 * 1024);
-    /* The watchdog must not take signals meant for the Python main thread. */
-    sigset_t all, old;
-    sigfillset(&all);
-    pthread_sigmask(SIG_BLOCK, &all, &old);
-    g_watchdog_running = 1;
-    int rc = pthread_create(&t, &attr, watchdog, NULL);
-    if (rc != 0)
-        g_watchdog_running = 0;
-    pthread_sigmask(SIG_SETMASK, &old, NULL);
-    pthread_attr_destroy(&attr);
+    int rc = start_watchdog();
     if (rc == EAGAIN)
         return arm_watch_timer(sig, err);
     if (rc != 0) {

@@ -15,6 +15,9 @@ int fl_proc_dead(pid_t pid, int pidfd);
 int fl_worker_arm(fl_ctl *ctl, const char *seg_prefix, pid_t main_pid, int *err);
 /* Forget `ctl` before it is unmapped. */
 void fl_worker_disarm(fl_ctl *ctl);
+/* Where the worker's watch runs on a timer for want of a thread (fl_worker_arm):
+ * try the thread again, at most once a second; cheap otherwise. */
+void fl_worker_watch_retry(void);
 /* Bracket the creation of a named segment (file_system strategy) so that the
  * cleanup after the main process's death cannot miss it: begin returns -1 when
  * the worker is already dying (create nothing then). */

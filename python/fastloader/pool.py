@@ -275,6 +275,7 @@ class WorkerPool:
             self._start_all_of(context, method, specs, strategy, rings)
 
     def _start_all_of(self, context, method, specs, strategy, rings):
+        reaper.flush()   # a past epoch's workers that no thread could reap
         if method == "forkserver":
             forkserver.ensure_running()   # in case the loader did not start it already
         if method == "fork":
@@ -407,10 +408,15 @@ class WorkerPool:
                 if not start(i):
                     return
             return
-        threads = [threading.Thread(target=start_in_thread, args=(i,), daemon=True)
-                   for i in range(len(procs))]
-        for t in threads:
-            t.start()
+        threads = []
+        for i in range(len(procs)):
+            t = threading.Thread(target=start_in_thread, args=(i,), daemon=True)
+            try:
+                t.start()
+            except RuntimeError:   # "can't start new thread" (the process limit)
+                start_in_thread(i)   # this one here, the others go on meanwhile
+                continue
+            threads.append(t)
         for t in threads:
             t.join()
 

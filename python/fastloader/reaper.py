@@ -29,7 +29,7 @@ from multiprocessing.connection import wait as _wait_fds
 
 from .per_process import PerProcess
 
-__all__ = ["retire", "wait_idle", "drain", "pending", "busy"]
+__all__ = ["retire", "flush", "wait_idle", "drain", "pending", "busy"]
 
 # How often the thread looks again even if no fd woke it: new jobs, deadlines,
 # and a worker whose sentinel the user closed.
@@ -42,6 +42,10 @@ _MAX_FAILURES = 3
 # holds one of its processes), pause this long before looking again: the fds stay
 # ready, and waiting on them again at once would spin a CPU.
 _RETRY_S = 0.005
+# A caller that finishes a retired pool itself, for want of a thread
+# (_finish_queued_here), waits at most this long: past the pool's own deadline and
+# its SIGTERM and SIGKILL (5 + 1 s by default).
+_INLINE_MAX_S = 30.0
 # A fork waits at most this long for a thread that is starting or exiting
 # (microseconds, normally) before it goes ahead anyway.
 _FORK_WAIT_S = 1.0
@@ -108,6 +112,23 @@ def retire(job) -> None:
     _finish_queued_here(st)
 
 
+def flush() -> None:
+    """Before an epoch forks its workers: a pool whose retirement found no thread
+    to be had and was left queued (retired during a fork, or while this thread
+    held the lock) is finished now, so that its workers, unreaped, do not count
+    against the process limit that the fork meets. Nothing to do otherwise."""
+    st = _STATE.get()
+    with st.lock:
+        if not st.jobs or st.running or st.forking:
+            return
+        try:
+            _start_thread(st)
+            return
+        except (RuntimeError, MemoryError):
+            pass   # still none
+    _finish_queued_here(st)
+
+
 def _finish_queued_here(st: _State) -> None:
     """Do the reaper thread's work on this thread, one queued job after another,
     until none is left or a thread runs again: no thread could be started (the
@@ -118,50 +139,56 @@ def _finish_queued_here(st: _State) -> None:
 
     Not while this thread holds st.lock (a garbage collection inside a locked
     section ran an iterator's finalizer that retired its pool): the lock is never
-    held across a wait. The jobs then stay queued for the next retire() or
-    wait_idle(), or interpreter exit."""
+    held across a wait. The jobs then stay queued for the next retire(), flush()
+    or wait_idle(), or interpreter exit. A job that is not finished (interrupted,
+    or past _INLINE_MAX_S) goes back to the queue, and this returns."""
     if st.lock._is_owned():
         return
     while True:
-        with st.lock:
-            if st.running or not st.jobs:
-                return   # a thread took over, or nothing is left
-            job = st.jobs.pop(0)
-            st.inline += 1
+        job, finished = None, False
         try:
-            _finish_here(st, job)
-        finally:
             with st.lock:
-                st.inline -= 1
-                _set_idle_if_done(st)
+                if st.running or not st.jobs:
+                    return   # a thread took over, or nothing is left
+                job = st.jobs.pop(0)
+                st.inline += 1
+            finished = _finish_here(st, job)
+        finally:
+            if job is not None:
+                with st.lock:
+                    st.inline = max(0, st.inline - 1)
+                    if not finished:
+                        st.jobs.append(job)
+                    _set_idle_if_done(st)
+        if not finished:
+            return
 
 
-def _finish_here(st: _State, job) -> None:
-    """Wait for `job` and step it until it is finished, on this thread.
-    Interrupted (Ctrl-C), the job goes back to the queue."""
-    try:
-        while True:
-            try:
-                fds = job.wait_fds()
-            except Exception:
-                fds = []
-            ready = []
-            try:
-                if fds:
-                    ready = _wait_fds(fds, _POLL_S)
-                else:
-                    time.sleep(_POLL_S)
-            except (OSError, ValueError):   # an fd closed under us: look again shortly
-                time.sleep(0.001)
-            if _step(st, job, time.monotonic()):
-                return
-            if ready:
-                time.sleep(_RETRY_S)
-    except BaseException:
-        with st.lock:
-            st.jobs.append(job)
-            st.idle.clear()
-        raise
+def _finish_here(st: _State, job) -> bool:
+    """Wait for `job` and step it until it is finished, on this thread; False if
+    that took longer than _INLINE_MAX_S (a worker that SIGKILL does not end:
+    uninterruptible sleep)."""
+    give_up = time.monotonic() + _INLINE_MAX_S
+    while True:
+        try:
+            fds = job.wait_fds()
+        except Exception:
+            fds = []
+        ready = []
+        try:
+            if fds:
+                ready = _wait_fds(fds, _POLL_S)
+            else:
+                time.sleep(_POLL_S)
+        except (OSError, ValueError):   # an fd closed under us: look again shortly
+            time.sleep(0.001)
+        now = time.monotonic()
+        if _step(st, job, now):
+            return True
+        if now >= give_up:
+            return False
+        if ready:
+            time.sleep(_RETRY_S)
 
 
 def _step(st: _State, job, now: float) -> bool:
@@ -277,20 +304,14 @@ def wait_idle(timeout: float) -> bool:
     exited; False if that took longer than `timeout` seconds."""
     st = _STATE.get()
     end = time.monotonic() + timeout
-    no_thread = False
-    with st.lock:   # a job queued while no thread could start (see retire)
-        if st.jobs and not st.forking:
-            try:
-                _start_thread(st)
-            except (RuntimeError, MemoryError):
-                no_thread = True
-    if no_thread:   # still none: finished here (bounded by the pools' own deadlines)
-        _finish_queued_here(st)
-    if not st.idle.wait(timeout):
+    # a job queued while no thread could start (see retire): started now, or
+    # finished here (bounded by the pools' own deadlines, not by `timeout`)
+    flush()
+    if not st.idle.wait(max(0.0, end - time.monotonic())):
         return False
     while True:
         with st.lock:
-            if st.jobs:
+            if st.jobs or st.inline:
                 return False   # retired meanwhile: not idle
             if not _tids_alive(st):
                 return True

@@ -17,7 +17,10 @@ import resource
 import select
 import signal
 import sys
+import threading
 import time
+import traceback
+import types
 
 import psutil
 import pytest
@@ -25,7 +28,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 import fastloader
-from fastloader import reaper, refused_fork
+from fastloader import pool, reaper, refused_fork
 from tests.support.helpers import in_forked_child
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0,
@@ -178,6 +181,7 @@ class _SleepsOnceTold(torch.utils.data.Dataset):
     """A worker that stays in the dataset's code (`sleep` set before iter())."""
 
     sleep = False
+    report = False
 
     def __len__(self):
         return 20
@@ -190,7 +194,7 @@ class _SleepsOnceTold(torch.utils.data.Dataset):
 
 def _report_and_forget_the_parent(fd):
     def init(worker_id):
-        if _SleepsOnceTold.sleep:
+        if _SleepsOnceTold.report:
             # The parent-death signal cleared (PR_SET_PDEATHSIG 0), as for a worker
             # whose parent is not the main process (forkserver): only the worker's
             # own watch is left to see the main process die.
@@ -206,46 +210,120 @@ def _worker_gone(pid):
         return True
 
 
-def test_a_worker_with_no_watchdog_thread_exits_when_the_main_process_dies():
-    """A worker that could start no watchdog thread still sees the main process
-    die while it runs the dataset's code, and exits, within a second or so."""
+def _main_at_the_limit(reports, sleep_in_dataset):
+    """Fork the main process of a loader with one worker, forked at the limit so
+    that it has no room for its watchdog thread; the worker's pid and the main
+    process's. With `sleep_in_dataset`, the worker stays in the dataset's code;
+    otherwise it waits for tasks (the main process sleeps after its first batch)."""
     r, w = os.pipe()
+    told_r, told_w = os.pipe()   # the test to the main process: lift the limit
     main = os.fork()
-    if main == 0:   # the main process of the loader, killed below
+    if main == 0:
+        code = 1
         try:
             os.close(r)
+            os.close(told_w)
             loader, tasks = _loader_as_a_user_of_its_own(
                 1, _SleepsOnceTold(), worker_init_fn=_report_and_forget_the_parent(w))
             _, hard = resource.getrlimit(resource.RLIMIT_NPROC)
             resource.setrlimit(resource.RLIMIT_NPROC, (tasks + 1, hard))   # the fork only
-            _SleepsOnceTold.sleep = True
-            next(iter(loader))
+            _SleepsOnceTold.sleep = sleep_in_dataset
+            _SleepsOnceTold.report = True
+            it = iter(loader)
+            next(it)
+            if os.read(told_r, 1) == b"L":
+                # (raising another process's soft limit to its hard one takes
+                # the same user, not a capability)
+                for child in psutil.Process().children():
+                    resource.prlimit(child.pid, resource.RLIMIT_NPROC, (hard, hard))
+            time.sleep(120)
+            code = 0
+        except BaseException:   # the test reports it
+            traceback.print_exc()
         finally:
-            os._exit(1)
+            os._exit(code)
     os.close(w)
-    worker = None
+    os.close(told_r)
+    reports.append(main)
+    reports.append(told_w)
+    with os.fdopen(r) as pipe:
+        ready, _, _ = select.select([pipe], [], [], 120)
+        assert ready, "the worker did not start"
+        line = pipe.readline()
+    assert line, "the loader's process ended before its worker reported"
+    reports.append(int(line))
+    # the case under test: the worker runs without its watchdog thread
+    assert len(os.listdir(f"/proc/{int(line)}/task")) == 1
+
+
+def _kill_and_wait_for(pids, deadline_s=20):
+    main, _, worker = pids
+    os.kill(main, signal.SIGKILL)
+    os.waitpid(main, 0)
+    deadline = time.monotonic() + deadline_s
+    while not _worker_gone(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return _worker_gone(worker)
+
+
+def _clean_up(pids):
+    if pids:
+        try:
+            os.kill(pids[0], signal.SIGKILL)
+            os.waitpid(pids[0], 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+    if len(pids) > 1:
+        os.close(pids[1])
+    if len(pids) > 2 and not _worker_gone(pids[2]):
+        os.kill(pids[2], signal.SIGKILL)
+
+
+def test_a_worker_with_no_watchdog_thread_exits_when_the_main_process_dies():
+    """A worker that could start no watchdog thread still sees the main process
+    die while it runs the dataset's code, and exits, within a second or so."""
+    pids = []
     try:
-        with os.fdopen(r) as reports:
-            ready, _, _ = select.select([reports], [], [], 120)
-            assert ready, "the worker did not start"
-            line = reports.readline()
-        assert line, "the loader's process ended before its worker reported"
-        worker = int(line)
-        # the case under test: the worker runs without its watchdog thread
-        assert len(os.listdir(f"/proc/{worker}/task")) == 1
-        os.kill(main, signal.SIGKILL)
-        os.waitpid(main, 0)
-        main = None
-        deadline = time.monotonic() + 20
-        while not _worker_gone(worker) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert _worker_gone(worker), "the worker outlived the main process"
+        _main_at_the_limit(pids, sleep_in_dataset=True)
+        assert _kill_and_wait_for(pids), "the worker outlived the main process"
     finally:
-        if main is not None:
-            os.kill(main, signal.SIGKILL)
-            os.waitpid(main, 0)
-        if worker is not None and not _worker_gone(worker):
-            os.kill(worker, signal.SIGKILL)
+        _clean_up(pids)
+
+
+def test_a_worker_starts_its_watchdog_thread_once_it_can():
+    """The limit lifted, a waiting worker starts its watchdog thread (and stops
+    its timer), which sees the main process die."""
+    pids = []
+    try:
+        _main_at_the_limit(pids, sleep_in_dataset=False)
+        worker = pids[2]
+        time.sleep(1.5)   # its timer has fired and it has tried for a thread, in vain
+        assert len(os.listdir(f"/proc/{worker}/task")) == 1
+        os.write(pids[1], b"L")
+        deadline = time.monotonic() + 20
+        while len(os.listdir(f"/proc/{worker}/task")) == 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(os.listdir(f"/proc/{worker}/task")) == 2, "no watchdog thread started"
+        assert _kill_and_wait_for(pids), "the worker outlived the main process"
+    finally:
+        _clean_up(pids)
+
+
+class _NoThreadToBeHad(threading.Thread):
+    def start(self):
+        raise RuntimeError("can't start new thread")   # as threading says it
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_workers_start_where_no_thread_can_start_them(monkeypatch, method):
+    """Under forkserver and spawn the pool starts the workers from threads, at
+    once; where no thread can be started, it starts each such worker itself."""
+    monkeypatch.setattr(pool, "threading", types.SimpleNamespace(
+        Thread=_NoThreadToBeHad, RLock=threading.RLock))
+    loader = fastloader.DataLoader(TensorDataset(torch.arange(20.0)), batch_size=5,
+                                   num_workers=2, multiprocessing_context=method)
+    assert [b.tolist() for (b,) in loader] == [
+        [float(i) for i in range(k, k + 5)] for k in range(0, 20, 5)]
 
 
 def test_no_fd_is_closed_where_the_fork_was_not_the_failure():
