@@ -184,8 +184,9 @@ start_watchdog(void)
  * process under forkserver, and it can come before the main process's pidfd reads
  * as exited (then it is not sent again). The timer is a kernel object, not a
  * task; a fork of this worker does not inherit it. Its signal interrupts system
- * calls in the dataset's code once a second (EINTR, which Python retries; our own
- * reservations go in chunks for it, see fl_shm_reserve). */
+ * calls in the dataset's code once a second (EINTR, which Python retries; tmpfs's
+ * fallocate on the 6.18 development kernel did not stop for it: a 2 GiB
+ * reservation under a 10 ms timer never returned EINTR). */
 #define WATCH_TIMER_S 1
 
 static timer_t g_watch_timer;

@@ -48,25 +48,13 @@ fail:
 int
 fl_shm_reserve(int fd, size_t off, size_t len, int *err)
 {
-    int rc = 0;
-    /* In chunks: tmpfs may give up a reservation with EINTR while a signal is
-     * pending, handing back what it had reserved (kernels that check for any
-     * signal between pages; the 6.18 development kernel did not, a 2 GiB call
-     * under a 10 ms timer never returned EINTR). One call for a GiB could then be
-     * cut off every time by a periodic signal (a worker's watch timer, liveness.c)
-     * and never finish; an interrupted chunk is tried again, the rest kept. */
-    const size_t chunk = (size_t)32 << 20;
-    size_t done = 0;
-    while (done < len) {
-        size_t n = len - done < chunk ? len - done : chunk;
-        /* posix_fallocate returns the error instead of setting errno */
-        rc = posix_fallocate(fd, (off_t)(off + done), (off_t)n);
-        if (rc == EINTR)
-            continue;
-        if (rc != 0)
-            break;
-        done += n;
-    }
+    int rc;
+    if (len == 0)
+        return FL_OK;
+    /* posix_fallocate returns the error instead of setting errno */
+    do {
+        rc = posix_fallocate(fd, (off_t)off, (off_t)len);
+    } while (rc == EINTR);
     /* EOPNOTSUPP: a filesystem that cannot reserve (tmpfs and memfd can): the
      * pages stay lazy there, as they would be without us. */
     if (rc != 0 && rc != EOPNOTSUPP) {

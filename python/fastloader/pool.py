@@ -265,6 +265,7 @@ class WorkerPool:
         self.channel_tuple = tuple(self.channels)
 
     def _start_all(self, context, specs, strategy, rings):
+        reaper.flush()   # a past epoch's workers that no thread could reap yet
         method = context.get_start_method()
         if method == "spawn" and spawn_server.serves(context):
             # opt-in: forks of a clean interpreter that has imported torch
@@ -275,7 +276,6 @@ class WorkerPool:
             self._start_all_of(context, method, specs, strategy, rings)
 
     def _start_all_of(self, context, method, specs, strategy, rings):
-        reaper.flush()   # a past epoch's workers that no thread could reap
         if method == "forkserver":
             forkserver.ensure_running()   # in case the loader did not start it already
         if method == "fork":

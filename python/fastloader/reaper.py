@@ -113,10 +113,11 @@ def retire(job) -> None:
 
 
 def flush() -> None:
-    """Before an epoch forks its workers: a pool whose retirement found no thread
-    to be had and was left queued (retired during a fork, or while this thread
-    held the lock) is finished now, so that its workers, unreaped, do not count
-    against the process limit that the fork meets. Nothing to do otherwise."""
+    """Before an epoch starts its workers: a pool whose retirement found no thread
+    to be had and was left queued (retired during an earlier fork, or while this
+    thread held the lock) is finished now, so that its workers, unreaped, do not
+    count against the process limit that the forks meet (one retired during this
+    epoch's own forks waits for the next flush). Nothing to do otherwise."""
     st = _STATE.get()
     with st.lock:
         if not st.jobs or st.running or st.forking:
@@ -150,15 +151,20 @@ def _finish_queued_here(st: _State) -> None:
             with st.lock:
                 if st.running or not st.jobs:
                     return   # a thread took over, or nothing is left
-                job = st.jobs.pop(0)
+                # (no call among these three: a Ctrl-C is raised only after a call
+                # returns, so it finds the job either queued or taken and counted)
+                job = st.jobs[0]
                 st.inline += 1
+                del st.jobs[0]
             finished = _finish_here(st, job)
         finally:
             if job is not None:
+                # before anything that calls (see above); list.append is atomic
+                # under the GIL, and a thread looking meanwhile finds it queued
+                st.inline -= 1
+                if not finished:
+                    st.jobs.append(job)
                 with st.lock:
-                    st.inline = max(0, st.inline - 1)
-                    if not finished:
-                        st.jobs.append(job)
                     _set_idle_if_done(st)
         if not finished:
             return
@@ -307,6 +313,8 @@ def wait_idle(timeout: float) -> bool:
     # a job queued while no thread could start (see retire): started now, or
     # finished here (bounded by the pools' own deadlines, not by `timeout`)
     flush()
+    with st.lock:   # (a Ctrl-C in _finish_queued_here may have left it unset)
+        _set_idle_if_done(st)
     if not st.idle.wait(max(0.0, end - time.monotonic())):
         return False
     while True:

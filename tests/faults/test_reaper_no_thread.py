@@ -4,7 +4,13 @@ meanwhile; one retired while the caller holds the reaper's lock stays queued
 until flush(); an interrupted one goes back to the queue. Run in a forked child:
 its reaper state is its own, with no thread of an earlier test's pools."""
 import _thread
+import os
 
+import psutil
+import torch
+from torch.utils.data import TensorDataset
+
+import fastloader
 from fastloader import reaper
 from tests.support.helpers import in_forked_child
 
@@ -70,3 +76,34 @@ def test_no_thread_to_be_had():
     assert got["flushed"] == (3, 0, True)
     assert got["interrupted"] == (2, 1, False)   # back in the queue, not idle
     assert got["waited"] == (True, 3, 0)   # wait_idle() finished it at its 3rd step
+
+
+def _stranded_pool_then_next_epoch():
+    _thread.start_new_thread = _no_thread   # this child's own module
+    loader = fastloader.DataLoader(TensorDataset(torch.arange(20.0)), batch_size=5,
+                                   num_workers=2, multiprocessing_context="fork")
+    it = iter(loader)
+    next(it)
+    with reaper._STATE.get().lock:
+        del it   # its finalizer retires the pool, which is left queued (lock held)
+    queued = reaper.pending()
+    seen, real_fork = [], os.fork
+
+    def fork_seeing_the_queue():
+        seen.append(reaper.pending())
+        return real_fork()
+
+    os.fork = fork_seeing_the_queue
+    try:
+        batches = [b.tolist() for (b,) in loader]
+    finally:
+        os.fork = real_fork
+    return queued, seen, batches, reaper.pending(), psutil.Process().children()
+
+
+def test_the_next_epoch_reaps_a_pool_left_queued_before_it_forks():
+    queued, seen, batches, pending, children = in_forked_child(_stranded_pool_then_next_epoch)
+    assert queued == 1
+    assert seen == [0, 0], "the old workers were still unreaped at the new forks"
+    assert batches == [[float(i) for i in range(k, k + 5)] for k in range(0, 20, 5)]
+    assert (pending, children) == (0, [])

@@ -31,8 +31,8 @@ import fastloader
 from fastloader import pool, reaper, refused_fork
 from tests.support.helpers import in_forked_child
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0,
-                                reason="plays a user of its own with setuid (root only)")
+root_only = pytest.mark.skipif(os.geteuid() != 0,
+                               reason="plays a user of its own with setuid (root only)")
 
 
 def _fd_table():
@@ -106,6 +106,7 @@ def _refused_then_lifted(extra):
     }
 
 
+@root_only
 @pytest.mark.parametrize("refused", [0, 1], ids=["first_fork", "second_fork"])
 def test_a_refused_fork_raises_with_a_note_and_leaves_nothing(refused):
     got = in_forked_child(lambda: _refused_then_lifted(refused))
@@ -165,6 +166,7 @@ def _epochs_with_no_thread_to_be_had(num_workers):
             "threads": threads, "tasks": tasks}
 
 
+@root_only
 @pytest.mark.parametrize("num_workers", [1, 2])
 def test_epochs_run_where_no_thread_can_be_started(num_workers):
     got = in_forked_child(lambda: _epochs_with_no_thread_to_be_had(num_workers))
@@ -279,6 +281,7 @@ def _clean_up(pids):
         os.kill(pids[2], signal.SIGKILL)
 
 
+@root_only
 def test_a_worker_with_no_watchdog_thread_exits_when_the_main_process_dies():
     """A worker that could start no watchdog thread still sees the main process
     die while it runs the dataset's code, and exits, within a second or so."""
@@ -290,6 +293,7 @@ def test_a_worker_with_no_watchdog_thread_exits_when_the_main_process_dies():
         _clean_up(pids)
 
 
+@root_only
 def test_a_worker_starts_its_watchdog_thread_once_it_can():
     """The limit lifted, a waiting worker starts its watchdog thread (and stops
     its timer), which sees the main process die."""
