@@ -176,18 +176,7 @@ def _finish_here(st: _State, job) -> bool:
     uninterruptible sleep)."""
     give_up = time.monotonic() + _INLINE_MAX_S
     while True:
-        try:
-            fds = job.wait_fds()
-        except Exception:
-            fds = []
-        ready = []
-        try:
-            if fds:
-                ready = _wait_fds(fds, _POLL_S)
-            else:
-                time.sleep(_POLL_S)
-        except (OSError, ValueError):   # an fd closed under us: look again shortly
-            time.sleep(0.001)
+        ready = _wait_for([job])
         now = time.monotonic()
         if _step(st, job, now):
             return True
@@ -195,6 +184,24 @@ def _finish_here(st: _State, job) -> bool:
             return False
         if ready:
             time.sleep(_RETRY_S)
+
+
+def _wait_for(jobs) -> list:
+    """Wait at most _POLL_S for something to happen to one of `jobs` (their
+    wait_fds); the fds that are ready."""
+    fds = []
+    for job in jobs:
+        try:
+            fds.extend(job.wait_fds())
+        except Exception:
+            pass
+    try:
+        if fds:
+            return _wait_fds(fds, _POLL_S)
+        time.sleep(_POLL_S)
+    except (OSError, ValueError):   # an fd closed under us: look again shortly
+        time.sleep(0.001)
+    return []
 
 
 def _step(st: _State, job, now: float) -> bool:
@@ -365,20 +372,7 @@ def _loop(st: _State) -> None:
                 st.loop_tid = None
                 _set_idle_if_done(st)
                 return
-        fds = []
-        for job in jobs:
-            try:
-                fds.extend(job.wait_fds())
-            except Exception:
-                pass
-        ready = []
-        try:
-            if fds:
-                ready = _wait_fds(fds, _POLL_S)
-            else:
-                time.sleep(_POLL_S)
-        except (OSError, ValueError):   # an fd closed under us: look again shortly
-            time.sleep(0.001)
+        ready = _wait_for(jobs)
         now = time.monotonic()
         finished = 0
         for job in jobs:
