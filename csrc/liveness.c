@@ -265,6 +265,14 @@ fl_worker_arm(fl_ctl *ctl, const char *seg_prefix, pid_t main_pid, int *err)
         *err = errno;
         return FL_ERRNO;
     }
+    /* A fork keeps the signal mask of the thread that forked, which the user's
+     * process may have blocked this signal in (seen in the test suite's process):
+     * the handler would then never run, for the parent-death signal or for the
+     * watch timer (arm_watch_timer) alike. */
+    sigset_t ours;
+    sigemptyset(&ours);
+    sigaddset(&ours, sig);
+    pthread_sigmask(SIG_UNBLOCK, &ours, NULL);
     /* The main process may have died before the prctl above took effect. */
     if (main_is_gone()) {
         fl_worker_unlink_pending();
