@@ -1,6 +1,7 @@
 #define _GNU_SOURCE
 #include "fl_common.h"
 #include "liveness.h"
+#include "self_pid.h"
 #include "shm_names.h"
 #include "shm.h"
 #include <errno.h>
@@ -53,7 +54,12 @@ static fl_ctl *g_ctl;
 static char g_prefix[200];
 static int g_main_pidfd = -1;
 static pid_t g_main_pid;
-static int g_armed;
+/* The process that armed its watch (0: none). A process forked from it (a worker
+ * forked by a process that had itself served a channel: a test's loopback, a
+ * worker's own loader) inherits these globals but neither the watchdog thread
+ * nor the timer, and a parent-death signal set for another parent: it arms its
+ * own. */
+static pid_t g_armed_pid;
 /* Named segments vs. cleanup after the main process died: a worker thread may be
  * between reserving a segment id and creating its name while the watchdog
  * unlinks the pending range. `g_dying` stops new creations; `g_creating` counts
@@ -249,9 +255,16 @@ fl_worker_arm(fl_ctl *ctl, const char *seg_prefix, pid_t main_pid, int *err)
         }
         memcpy(g_prefix, seg_prefix, n + 1);
     }
-    if (g_armed)
+    pid_t self = fl_self_pid();
+    if (g_armed_pid == self)
         return FL_OK;   /* one watchdog per process, whatever the channel count */
-    g_armed = 1;
+    g_armed_pid = self;
+    /* (an inherited pidfd is left open, not closed: its number may have been
+     * closed and reused since the fork) */
+    g_watchdog_running = 0;
+    g_watch_timer_armed = 0;
+    atomic_store(&g_dying, 0);
+    atomic_store(&g_creating, 0);
     int dummy;
     g_main_pidfd = fl_pidfd_open(main_pid, &dummy);
 

@@ -29,7 +29,7 @@ from torch.utils.data import TensorDataset
 
 import fastloader
 from fastloader import pool, reaper, refused_fork
-from tests.support.helpers import in_forked_child
+from tests.support.helpers import in_forked_child, loopback_channels
 
 root_only = pytest.mark.skipif(os.geteuid() != 0,
                                reason="plays a user of its own with setuid (root only)")
@@ -225,6 +225,13 @@ def _main_at_the_limit(reports, sleep_in_dataset):
         try:
             os.close(r)
             os.close(told_w)
+            # this process has served a channel's worker end itself (as the
+            # suite's loopback tests do in their process, or a worker that runs a
+            # loader of its own): a worker forked from it must still arm its own
+            # watch (it inherited "armed" and ran with none: seen under
+            # make test-asan, whose one process had run those tests)
+            with loopback_channels("armed"):
+                pass
             loader, tasks = _loader_as_a_user_of_its_own(
                 1, _SleepsOnceTold(), worker_init_fn=_report_and_forget_the_parent(w))
             _, hard = resource.getrlimit(resource.RLIMIT_NPROC)
