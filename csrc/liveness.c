@@ -245,6 +245,21 @@ fl_worker_watch_retry(void)
 int
 fl_worker_arm(fl_ctl *ctl, const char *seg_prefix, pid_t main_pid, int *err)
 {
+    pid_t self = fl_self_pid();
+    int armed = g_armed_pid == self;   /* one watchdog per process, whatever the
+                                        * channel count */
+    if (!armed) {
+        /* nothing inherited is ours: not the prefix (whose names the cleanup
+         * would unlink: the parent's), nor its threads or timer. (An inherited
+         * pidfd is left open, not closed: its number may have been closed and
+         * reused since the fork.) */
+        g_ctl = NULL;
+        g_prefix[0] = '\0';
+        g_watchdog_running = 0;
+        g_watch_timer_armed = 0;
+        atomic_store(&g_dying, 0);
+        atomic_store(&g_creating, 0);
+    }
     g_ctl = ctl;
     g_main_pid = main_pid;
     if (seg_prefix != NULL) {
@@ -255,16 +270,8 @@ fl_worker_arm(fl_ctl *ctl, const char *seg_prefix, pid_t main_pid, int *err)
         }
         memcpy(g_prefix, seg_prefix, n + 1);
     }
-    pid_t self = fl_self_pid();
-    if (g_armed_pid == self)
-        return FL_OK;   /* one watchdog per process, whatever the channel count */
-    g_armed_pid = self;
-    /* (an inherited pidfd is left open, not closed: its number may have been
-     * closed and reused since the fork) */
-    g_watchdog_running = 0;
-    g_watch_timer_armed = 0;
-    atomic_store(&g_dying, 0);
-    atomic_store(&g_creating, 0);
+    if (armed)
+        return FL_OK;
     int dummy;
     g_main_pidfd = fl_pidfd_open(main_pid, &dummy);
 
@@ -293,10 +300,13 @@ fl_worker_arm(fl_ctl *ctl, const char *seg_prefix, pid_t main_pid, int *err)
     }
     int rc = start_watchdog();
     if (rc == EAGAIN)
-        return arm_watch_timer(sig, err);
-    if (rc != 0) {
+        rc = arm_watch_timer(sig, err) == FL_OK ? 0 : -1;
+    else if (rc != 0) {
         *err = rc;
-        return FL_ERRNO;
+        rc = -1;
     }
+    if (rc != 0)
+        return FL_ERRNO;
+    g_armed_pid = self;   /* only once armed: a failed arm is tried again */
     return FL_OK;
 }

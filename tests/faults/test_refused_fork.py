@@ -230,10 +230,15 @@ def _main_at_the_limit(reports, sleep_in_dataset):
             # loader of its own): a worker forked from it must still arm its own
             # watch (it inherited "armed" and ran with none: seen under
             # make test-asan, whose one process had run those tests)
-            with loopback_channels("armed"):
-                pass
+            with loopback_channels("armed") as (served, _):
+                prefix = served.handle()["prefix"]
             loader, tasks = _loader_as_a_user_of_its_own(
                 1, _SleepsOnceTold(), worker_init_fn=_report_and_forget_the_parent(w))
+            # a name under that prefix, the user's: the worker's cleanup after the
+            # main process's death must not take it (its prefix is not inherited)
+            bystander = f"/dev/shm/{prefix}-bystander"
+            open(bystander, "w").close()
+            os.write(w, f"{bystander}\n".encode())
             _, hard = resource.getrlimit(resource.RLIMIT_NPROC)
             resource.setrlimit(resource.RLIMIT_NPROC, (tasks + 1, hard))   # the fork only
             _SleepsOnceTold.sleep = sleep_in_dataset
@@ -261,21 +266,26 @@ def _main_at_the_limit(reports, sleep_in_dataset):
     with os.fdopen(r) as pipe:
         ready, _, _ = select.select([pipe], [], [], 120)
         assert ready, "the worker did not start"
+        bystander = pipe.readline().strip()
+        if bystander:
+            reports.append(bystander)
         line = pipe.readline()
-    assert line, "the loader's process ended before its worker reported"
-    reports.append(int(line))
+    assert bystander and line, "the loader's process ended before its worker reported"
+    reports.insert(2, int(line))
     # the case under test: the worker runs without its watchdog thread
     assert len(os.listdir(f"/proc/{int(line)}/task")) == 1
 
 
 def _kill_and_wait_for(pids, deadline_s=20):
-    main, _, worker = pids
+    main, _, worker, bystander = pids
     os.kill(main, signal.SIGKILL)
     os.waitpid(main, 0)
     deadline = time.monotonic() + deadline_s
     while not _worker_gone(worker) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return _worker_gone(worker)
+    gone = _worker_gone(worker)
+    assert os.path.exists(bystander), "the worker's cleanup took a name of its parent's prefix"
+    return gone
 
 
 def _clean_up(pids):
@@ -287,7 +297,9 @@ def _clean_up(pids):
             pass
     if len(pids) > 1:
         os.close(pids[1])
-    if len(pids) > 2 and not _worker_gone(pids[2]):
+    if len(pids) > 2 and isinstance(pids[-1], str) and os.path.exists(pids[-1]):
+        os.unlink(pids[-1])
+    if len(pids) > 2 and isinstance(pids[2], int) and not _worker_gone(pids[2]):
         os.kill(pids[2], signal.SIGKILL)
 
 
