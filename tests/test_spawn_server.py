@@ -259,7 +259,10 @@ def test_a_change_to_what_a_spawned_child_inherits_starts_a_new_server(tmp_path)
     later = [p[0] for p in out["later"]]
     assert all(len(p) == 1 for p in out["later"]), out["later"]
     assert len(set(later[:3]) | {third}) == 4 and later[3] == later[2]
-    assert out["put"] == ["put"] and out["core"] == [out["new_core"]] and out["pgrp"] == [out["my_pgrp"]]
+    # (under make test-asan, ASan's runtime sets the soft core limit to 0 in every
+    # process it starts, the new server included: its workers see 0)
+    core = [0] if os.environ.get("FASTLOADER_ASAN") else [out["new_core"]]
+    assert out["put"] == ["put"] and out["core"] == core and out["pgrp"] == [out["my_pgrp"]]
 
 
 def test_a_killed_server_is_started_again(tmp_path):
