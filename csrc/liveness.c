@@ -250,10 +250,10 @@ fl_worker_arm(fl_ctl *ctl, const char *seg_prefix, pid_t main_pid, int *err)
                                         * channel count */
     if (!armed) {
         /* nothing inherited is ours: not the prefix (whose names the cleanup
-         * would unlink: the parent's), nor its threads or timer. (An inherited
+         * would unlink: the parent's), nor its threads or timer; g_ctl is set
+         * just below. (An inherited
          * pidfd is left open, not closed: its number may have been closed and
          * reused since the fork.) */
-        g_ctl = NULL;
         g_prefix[0] = '\0';
         g_watchdog_running = 0;
         g_watch_timer_armed = 0;

@@ -102,22 +102,18 @@ def retire(job) -> None:
     with st.lock:
         st.jobs.append(job)
         st.idle.clear()
-        if st.forking:   # _after_fork_in_parent starts it
-            return
-        try:
-            _start_thread(st)
-            return
-        except (RuntimeError, MemoryError):
-            pass   # no thread to be had
-    _finish_queued_here(st)
+    flush()
 
 
 def flush() -> None:
-    """Before an epoch starts its workers: a pool whose retirement found no thread
-    to be had and was left queued (retired during an earlier fork, or while this
-    thread held the lock) is finished now, so that its workers, unreaped, do not
-    count against the process limit that the forks meet (one retired during this
-    epoch's own forks waits for the next flush). Nothing to do otherwise."""
+    """Start the reaper thread for the queued jobs (during a fork,
+    _after_fork_in_parent does), or where none can be started, finish them here.
+    retire() ends with it; an epoch calls it before it starts its workers: a pool
+    whose retirement found no thread to be had and was left queued (retired
+    during an earlier fork, or while this thread held the lock) is finished then,
+    so that its workers, unreaped, do not count against the process limit that
+    the forks meet (one retired during this epoch's own forks waits for the next
+    flush). Nothing to do otherwise."""
     st = _STATE.get()
     with st.lock:
         if not st.jobs or st.running or st.forking:
