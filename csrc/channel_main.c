@@ -637,9 +637,14 @@ fl_mainchan_take(fl_state *st, MainChannelObject *c, const fl_result *r)
     else if (r->where == FL_WHERE_SLOT) {
         if (c->arena == NULL || r->gen != c->arena_gen) {
             void *addr;
+            /* (bounded as the worker makes them, so the product cannot overflow) */
             uint64_t size = r->slot_size * r->nslots;
-            if (r->nslots == 0 || size / r->nslots != r->slot_size)
-                return fl_raise(FL_CORRUPT, 0, "receiving a ring arena");
+            if (r->nslots == 0 || r->nslots > FL_MAX_SLOTS || r->slot_size == 0 ||
+                r->slot_size % FL_SLOT_GRAIN != 0 || r->slot_size > FL_ARENA_MAX ||
+                size > FL_ARENA_MAX) {
+                fl_raise(FL_CORRUPT, 0, "receiving a ring arena");
+                goto unrebuilt;
+            }
             if (c->arena_lost && r->gen == c->lost_gen) {
                 /* its slots are never handed back: the worker overflows its next
                    batches into segments of their own, which map as usual */
@@ -662,7 +667,7 @@ fl_mainchan_take(fl_state *st, MainChannelObject *c, const fl_result *r)
             SegmentObject *seg =
                 fl_segment_new_batch(st, addr, size, r->nslots, (size_t)r->slot_size);
             if (seg == NULL)
-                return NULL;
+                goto unrebuilt;
             Py_XSETREF(c->arena, seg);
             c->arena_gen = r->gen;
             c->arena_slot_size = r->slot_size;
@@ -670,11 +675,13 @@ fl_mainchan_take(fl_state *st, MainChannelObject *c, const fl_result *r)
             c->n_arenas++;
             c->held = 0;
         }
-        if (r->slot >= c->arena_nslots || r->nbytes > c->arena_slot_size)
-            return fl_raise(FL_CORRUPT, 0, "receiving a batch");
+        if (r->slot >= c->arena_nslots || r->nbytes > c->arena_slot_size) {
+            fl_raise(FL_CORRUPT, 0, "receiving a batch");
+            goto unrebuilt;
+        }
         owner_obj = fl_owner_new(st, c->arena, c, r->gen, r->slot);
         if (owner_obj == NULL)
-            return NULL;
+            goto unrebuilt;
         c->held++;
         payload = fl_decode(st, (uint8_t *)c->arena->addr + r->slot * c->arena_slot_size,
                             r->nbytes, owner_obj);
@@ -691,16 +698,17 @@ fl_mainchan_take(fl_state *st, MainChannelObject *c, const fl_result *r)
         }
         SegmentObject *seg = fl_segment_new_batch(st, addr, size, 1, size);
         if (seg == NULL)
-            return NULL;
+            goto unrebuilt;
         owner_obj = fl_owner_new(st, seg, NULL, 0, UINT32_MAX);
         Py_DECREF(seg);   /* the owner holds it */
         if (owner_obj == NULL)
-            return NULL;
+            goto unrebuilt;
         payload = fl_decode(st, addr, r->nbytes, owner_obj);
         c->n_overflow++;
     }
     else {
-        return fl_raise(FL_CORRUPT, 0, "receiving a result");
+        fl_raise(FL_CORRUPT, 0, "receiving a result");
+        goto unrebuilt;
     }
     /* views hold the owner now; if none was made the slot is released right here */
     Py_XDECREF(owner_obj);
@@ -709,7 +717,8 @@ unrebuilt:;
     if (payload == NULL) {
         /* The result was taken off the ring but cannot be rebuilt here (its
          * segment cannot be mapped, an object whose unpickling fails in this
-         * process, bytes that fail validation): raising now would lose its seq,
+         * process, bytes or a descriptor that fail validation, no memory to
+         * hold it): raising now would lose its seq,
          * and the next next() would wait for it for ever. It becomes that batch's
          * error, raised in its turn as a worker's error is, with the exception
          * itself as the payload. Ctrl-C and other non-Exceptions still propagate

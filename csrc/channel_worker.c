@@ -20,9 +20,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-/* Arenas above this size are not made: such batches always overflow. */
-#define FL_ARENA_MAX ((size_t)2 << 30)
-#define FL_SLOT_GRAIN ((size_t)64 << 10)
 
 static PyObject *
 workerchan_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
@@ -58,7 +55,7 @@ workerchan_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     w->strategy = (int)PyLong_AsLong(o_strat);
     w->ctl_size = (size_t)PyLong_AsSsize_t(o_size);
     w->main_pid = (pid_t)PyLong_AsLong(o_pid);
-    w->nslots_target = nslots < 2 ? 2 : (nslots > 64 ? 64 : nslots);
+    w->nslots_target = nslots < 2 ? 2 : (nslots > FL_MAX_SLOTS ? FL_MAX_SLOTS : nslots);
     fl_shm_ident ctl_ident = {0, PyLong_AsUnsignedLongLong(o_dev),
                               PyLong_AsUnsignedLongLong(o_ino)};
     const char *prefix = PyUnicode_AsUTF8(o_prefix);

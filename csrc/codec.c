@@ -2,6 +2,7 @@
 #define PY_ARRAY_UNIQUE_SYMBOL fastloader_ARRAY_API
 #include "codec.h"
 #include "identity_table.h"
+#include "private_text.h"
 #include <numpy/arrayobject.h>
 #include <numpy/arrayscalars.h>
 #include <string.h>
@@ -1089,6 +1090,12 @@ static PyObject *
 view_of_data(dec *d, PyArray_Descr *descr, int ndim, npy_intp *dims, uint64_t off,
              int fortran)
 {
+    /* The encoder places every block at FL_DATA_ALIGN; a misaligned one is not
+     * ours, and torch's kernels assume aligned elements. */
+    if (((uintptr_t)(d->data + off)) % (size_t)PyDataType_ALIGNMENT(descr) != 0) {
+        Py_DECREF(descr);
+        return corrupt("data alignment");
+    }
     PyObject *arr = PyArray_NewFromDescr(&PyArray_Type, descr, ndim, dims, NULL,
                                          (void *)(d->data + off),
                                          fortran ? NPY_ARRAY_FARRAY : NPY_ARRAY_CARRAY, NULL);
@@ -1202,7 +1209,9 @@ dec_tensor(dec *d)
         int64_t step = 1;
         for (uint64_t i = ndim; i-- > 0;) {
             strides[i] = step;
-            step *= sizes[i] ? sizes[i] : 1;
+            /* sizes past a 0 are not bounded by the byte count (0) */
+            if (__builtin_mul_overflow(step, sizes[i] ? sizes[i] : 1, &step))
+                return corrupt("tensor shape");
         }
         return call_view_hook(d, src, code, rg, 0, ndim, sizes, strides);
     }
@@ -1245,6 +1254,7 @@ dec_tensor_view(dec *d)
     if (descr == NULL)
         return NULL;
     size_t k = (size_t)PyDataType_ELSIZE(descr);
+    size_t align = (size_t)PyDataType_ALIGNMENT(descr);
     Py_DECREF(descr);
     const fl_stab_entry *e = &d->stab[sidx];
     /* element offset within the copied window, and every element inside it */
@@ -1266,8 +1276,11 @@ dec_tensor_view(dec *d)
             return corrupt("tensor view shape");
     }
     size_t end;
-    if (numel > 0 && (__builtin_mul_overflow(maxel + 1, k, &end) || end > e->nbytes))
+    if (numel > 0 && (__builtin_add_overflow(maxel, (size_t)1, &end) ||
+                      __builtin_mul_overflow(end, k, &end) || end > e->nbytes))
         return corrupt("tensor view extent");
+    if (((uintptr_t)(d->data + e->off)) % align != 0)
+        return corrupt("tensor view alignment");
     PyObject *src = d->stor_obj[sidx], *fresh = NULL;
     if (src == NULL) {
         npy_intp n = (npy_intp)e->nbytes;
@@ -1343,7 +1356,7 @@ dec_tagged(dec *d, uint8_t tag, int depth)
             return corrupt("string length");
         const char *s = (const char *)d->s;
         d->s += n;
-        return tag == T_STR ? PyUnicode_DecodeUTF8(s, (Py_ssize_t)n, "strict")
+        return tag == T_STR ? fl_utf8_from_shared(s, (Py_ssize_t)n, "strict")
                             : PyBytes_FromStringAndSize(s, (Py_ssize_t)n);
     }
     case T_LIST:

@@ -3,6 +3,7 @@
  * Every offset is read once (fl_packed_load_offset) and checked: see packed.c. */
 #define _GNU_SOURCE
 #include "packed_internal.h"
+#include "private_text.h"
 #include <errno.h>
 #include <stdint.h>
 #include <string.h>
@@ -137,8 +138,9 @@ decode_item(PackedViewObject *v, Py_ssize_t i)
         return NULL;
     if (v->kind == FL_PACKED_STR)
         /* surrogateescape: file names that are not UTF-8 round-trip as os.listdir()
-         * returns them; valid UTF-8 takes the decoder's fast path regardless. */
-        return PyUnicode_DecodeUTF8(p, n, "surrogateescape");
+         * returns them; valid UTF-8 takes the decoder's fast path regardless. The
+         * file may be rewritten under us: decoded from a private copy. */
+        return fl_utf8_from_shared(p, n, "surrogateescape");
     if (v->loads == NULL)   /* cleared by the garbage collector, mid-cycle */
         return PyErr_Format(PyExc_ValueError, "fastloader: packed array was cleared");
     /* A private copy: the unpickler then reads bytes that no other process can

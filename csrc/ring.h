@@ -39,6 +39,13 @@ typedef struct {
     uint64_t payload_len;
 } fl_task_hdr;
 
+/* A worker's ring arena: slots a multiple of the grain, at most FL_MAX_SLOTS of
+ * them, at most FL_ARENA_MAX bytes in all (larger batches overflow into segments
+ * of their own). The main process refuses an arena outside these bounds. */
+#define FL_ARENA_MAX ((size_t)2 << 30)
+#define FL_SLOT_GRAIN ((size_t)64 << 10)
+#define FL_MAX_SLOTS 64u
+
 #define FL_CL 64
 typedef struct {
     uint32_t magic, version;

@@ -126,13 +126,19 @@ fl_send_fd(int sock, int fd, const fl_fdmsg *msg, int *err)
     return FL_OK;
 }
 
+#define FL_RECV_FDS_MAX 8
+
 int
 fl_recv_fd(int sock, int *fd_out, fl_fdmsg *msg, int *err)
 {
     const size_t len = sizeof(*msg);
     struct iovec iov = {.iov_base = msg, .iov_len = len};
+    /* Room for more fds than one: the kernel fills what the buffer holds without
+     * flagging a truncation, so a message that carried two in a one-fd buffer
+     * would leave the second open here, unseen. Every fd received is taken, and
+     * a message with more than one is refused. */
     union {
-        char buf[CMSG_SPACE(sizeof(int))];
+        char buf[CMSG_SPACE(FL_RECV_FDS_MAX * sizeof(int))];
         struct cmsghdr align;
     } u;
     struct msghdr mh;
@@ -152,10 +158,26 @@ fl_recv_fd(int sock, int *fd_out, fl_fdmsg *msg, int *err)
         *err = n < 0 ? errno : EPIPE;
         return FL_ERRNO;
     }
-    int fd = -1;
+    int fd = -1, nfds = 0;
     for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c != NULL; c = CMSG_NXTHDR(&mh, c)) {
-        if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS)
-            memcpy(&fd, CMSG_DATA(c), sizeof(int));
+        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS ||
+            c->cmsg_len < CMSG_LEN(0))
+            continue;
+        size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        for (size_t i = 0; i < k; i++) {
+            int got;
+            memcpy(&got, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+            if (nfds++ == 0)
+                fd = got;
+            else
+                close(got);
+        }
+    }
+    if (nfds > 1) {   /* not a message of ours */
+        close(fd);
+        fd = -1;
+        *err = EPROTO;
+        return FL_ERRNO;
     }
     if (fd < 0 || (size_t)n != len || (mh.msg_flags & (MSG_CTRUNC | MSG_TRUNC))) {
         if (fd >= 0)

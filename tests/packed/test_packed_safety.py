@@ -135,6 +135,67 @@ def test_serialisation_survives_a_concurrent_writer(tmp_path, subprocess_env, ho
     assert result["flips"] > 0, "the writer never ran: the test proved nothing"
 
 
+# Rewrites one long item of a packed file in place, all of its bytes between "A"
+# (ASCII) and 0xC3 (not), as fast as it can.
+FLIPPER = r"""
+import mmap, os, sys, time
+path, start, n, stop = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+fd = os.open(path, os.O_RDWR)
+m = mmap.mmap(fd, os.fstat(fd).st_size)
+ascii_, other = b"A" * n, b"\xc3" * n
+print("ready", flush=True)
+deadline = time.monotonic() + 120
+while time.monotonic() < deadline and not os.path.exists(stop):
+    for _ in range(64):
+        m[start:start + n] = other
+        m[start:start + n] = ascii_
+"""
+
+# CPython's UTF-8 decoder reads its input twice where it is not 8-byte aligned (an
+# ASCII check, then a copy): decoded in place from the mapping, an item rewritten
+# in between came out as a str marked ASCII that holds 0xC3 bytes, and using it
+# (max(s), iterating it) indexes past CPython's 128-entry table: a segfault.
+STR_READER = r"""
+import json, os, subprocess, sys, time
+from fastloader.packed import PackedStringArray
+path, workdir, flipper_code = sys.argv[1:4]
+n = 1 << 16
+PackedStringArray(["x", "A" * n]).save(path)   # item 1 starts at an odd offset
+os.chmod(path, 0o600)   # only we can write it: loaded by mapping
+a = PackedStringArray.load(path)
+assert a._storage.kind == "file", a._storage.kind
+start = open(path, "rb").read().index(b"A" * n)
+stop = os.path.join(workdir, "stop")
+flipper = subprocess.Popen([sys.executable, "-c", flipper_code, path, str(start), str(n), stop],
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+assert flipper.stdout.readline().strip() == "ready"
+reads, mixed, deadline = 0, 0, time.monotonic() + 4
+while time.monotonic() < deadline:
+    s = a[1]
+    reads += 1
+    if s.isascii() and any(b >= 0x80 for b in s.encode("ascii")):
+        print(json.dumps({"corrupt_at": reads}))
+        sys.exit(3)
+    mixed += not s.isascii()
+open(stop, "w").close()
+assert flipper.wait(60) == 0
+print(json.dumps({"reads": reads, "mixed": mixed}))
+"""
+
+
+def test_an_item_rewritten_while_it_is_decoded_never_comes_out_corrupt(tmp_path,
+                                                                      subprocess_env):
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(STR_READER),
+                           str(tmp_path / "race.fpk"), str(tmp_path), FLIPPER],
+                          env=subprocess_env, timeout=300, capture_output=True, text=True)
+    assert done.returncode == 0, (f"a str marked ASCII holds non-ASCII bytes, or the "
+                                  f"reader died (rc {done.returncode}):\n"
+                                  f"{done.stdout[-500:]}{done.stderr[-3000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["reads"] > 0
+    assert result["mixed"] > 0, "never saw the writer's bytes: the test proved nothing"
+
+
 # A loaded file cut short under its mapping kills the reader with SIGBUS, and no check
 # can prevent it: a file another user could cut short is copied at load instead. The
 # child cuts it short itself (a writer's identity does not matter to the kernel) and

@@ -5,6 +5,7 @@ import json
 import os
 import pickle
 import random
+import struct
 import subprocess
 import sys
 
@@ -238,6 +239,75 @@ def test_storage_table_and_references_are_checked():
             for x in out if isinstance(out, list) else []:
                 if isinstance(x, torch.Tensor):
                     x.sum()   # a view that decoded must lie inside its storage
+
+
+def _shift_first_storage(obj, by):
+    """obj's encoding with its first storage's data `by` bytes further on (the
+    header's total grown to keep it inside): an offset the encoder never writes."""
+    blob = bytearray(_core.encode(obj))
+    total = int.from_bytes(blob[24:32], "little")
+    blob[24:32] = (total + 64).to_bytes(8, "little")
+    off = int.from_bytes(blob[64:72], "little")   # storage table entry 0: off
+    blob[64:72] = (off + by).to_bytes(8, "little")
+    return bytes(blob + bytes(64))
+
+
+@pytest.mark.parametrize("obj", [torch.arange(64, dtype=torch.float64),
+                                 torch.arange(64, dtype=torch.float64)[3:9]],
+                         ids=["tensor", "view"])
+def test_data_off_its_elements_alignment_is_refused(obj):
+    """The encoder places every block at 64 bytes; a float64 storage one byte off
+    decoded into a tensor whose elements torch's kernels then read misaligned."""
+    # (one element further on: aligned, so it decodes, one element later)
+    assert _core.decode(_shift_first_storage(obj, 8))[:-1].tolist() == obj[1:].tolist()
+    with pytest.raises(ValueError, match="alignment"):
+        _core.decode(_shift_first_storage(obj, 1))
+
+
+def _crafted(stream, data=bytes(64), stab=b""):
+    """A batch encoding around `stream` (csrc/codec.c's header: magic, version,
+    stream length, data offset, total, storage table length)."""
+    stream_off = 64 + len(stab)
+    data_off = (stream_off + len(stream) + 63) // 64 * 64
+    total = data_off + len(data)
+    blob = bytearray(total)
+    blob[:40] = struct.pack("<IIQQQQ", 0x464C4254, 2, len(stream), data_off, total, len(stab))
+    blob[64:stream_off] = stab
+    blob[stream_off:stream_off + len(stream)] = stream
+    blob[data_off:] = data
+    return bytes(blob)
+
+
+T_TUPLE, T_TENSOR, T_TV = 9, 13, 16   # csrc/codec.c's tags
+
+
+def test_shapes_whose_strides_overflow_are_refused():
+    """A second tensor on one storage of 0 bytes (a 0 in its shape) with other sizes
+    of 2**62: its contiguous strides overflowed int64 (undefined behaviour) and
+    wrapped to 0."""
+    f4 = np.dtype(np.float32).num
+
+    def tensor(sizes):
+        return (bytes([T_TENSOR]) + struct.pack("<iiiQ", CODE[torch.float32], 0, f4, len(sizes))
+                + b"".join(struct.pack("<q", n) for n in sizes) + struct.pack("<Q", 0))
+    empty = struct.pack("<QQQ", 0, 0, 0)   # storage 0: off, nbytes, window start
+    fine = bytes([T_TUPLE]) + struct.pack("<Q", 2) + tensor([0]) + tensor([0, 3, 5])
+    assert [t.stride() for t in _core.decode(_crafted(fine, stab=empty))] == [(1,), (15, 5, 1)]
+    huge = bytes([T_TUPLE]) + struct.pack("<Q", 2) + tensor([0]) + tensor([0] + [1 << 62] * 3)
+    with pytest.raises(ValueError, match="corrupt"):
+        _core.decode(_crafted(huge, stab=empty))
+
+
+def test_a_view_whose_extent_wraps_is_refused_by_the_decoder():
+    """A view's last element at 2**64 - 1: its extent check computed (last + 1) * size,
+    which wrapped to 0 and passed (torch refused it later, by luck of its own check)."""
+    u1 = np.dtype(np.uint8).num
+    big = (1 << 63) - 1
+    stream = (bytes([T_TV]) + struct.pack("<iii", CODE[torch.uint8], 0, u1)
+              + struct.pack("<Qqq", 0, 0, 3)
+              + struct.pack("<qq", 2, big) + struct.pack("<qq", 2, big) + struct.pack("<qq", 2, 1))
+    with pytest.raises(ValueError, match="extent"):
+        _core.decode(_crafted(stream, stab=struct.pack("<QQQ", 0, 8, 0)))
 
 
 def test_a_chain_of_memo_marks_is_refused_without_deep_recursion():
