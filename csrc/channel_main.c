@@ -625,6 +625,18 @@ map_segment(MainChannelObject *c, const fl_result *r, uint64_t size, void **addr
     return code;
 }
 
+/* The arena of r's generation is not to be mapped: under file_descriptor its fd
+ * was taken (and closed) and will not come again, so later results in it are
+ * refused at once; under file_system its name is opened again by the next one. */
+static void
+lose_arena(MainChannelObject *c, const fl_result *r)
+{
+    if (c->strategy == FL_STRATEGY_FD) {
+        c->arena_lost = 1;
+        c->lost_gen = r->gen;
+    }
+}
+
 /* Turn one result descriptor into (worker_id, seq, kind, payload, where). */
 PyObject *
 fl_mainchan_take(fl_state *st, MainChannelObject *c, const fl_result *r)
@@ -637,14 +649,6 @@ fl_mainchan_take(fl_state *st, MainChannelObject *c, const fl_result *r)
     else if (r->where == FL_WHERE_SLOT) {
         if (c->arena == NULL || r->gen != c->arena_gen) {
             void *addr;
-            /* (bounded as the worker makes them, so the product cannot overflow) */
-            uint64_t size = r->slot_size * r->nslots;
-            if (r->nslots == 0 || r->nslots > FL_MAX_SLOTS || r->slot_size == 0 ||
-                r->slot_size % FL_SLOT_GRAIN != 0 || r->slot_size > FL_ARENA_MAX ||
-                size > FL_ARENA_MAX) {
-                fl_raise(FL_CORRUPT, 0, "receiving a ring arena");
-                goto unrebuilt;
-            }
             if (c->arena_lost && r->gen == c->lost_gen) {
                 /* its slots are never handed back: the worker overflows its next
                    batches into segments of their own, which map as usual */
@@ -654,20 +658,37 @@ fl_mainchan_take(fl_state *st, MainChannelObject *c, const fl_result *r)
                              "batch: out of file descriptors or memory)", c->worker_id);
                 goto unrebuilt;
             }
+            /* (bounded as the worker makes them, so the product cannot overflow) */
+            uint64_t size = r->slot_size * r->nslots;
+            if (r->nslots == 0 || r->nslots > FL_MAX_SLOTS || r->slot_size == 0 ||
+                r->slot_size % FL_SLOT_GRAIN != 0 || r->slot_size > FL_ARENA_MAX ||
+                size > FL_ARENA_MAX) {
+                if (c->strategy == FL_STRATEGY_FD) {
+                    /* the arena's fd came before this result: take it off the
+                       socket, or every later segment would be paired with the
+                       message before its own */
+                    int fd = -1, e2;
+                    fl_fdmsg m;
+                    if (fl_recv_fd(c->sock_main, &fd, &m, &e2) == FL_OK)
+                        close(fd);
+                }
+                lose_arena(c, r);
+                fl_raise(FL_CORRUPT, 0, "receiving a ring arena");
+                goto unrebuilt;
+            }
             char what[FL_NAME_MAX + 200] = "mapping a worker's ring arena";
             code = map_segment(c, r, size, &addr, &err, what, sizeof(what));
             if (code != FL_OK) {
-                if (c->strategy == FL_STRATEGY_FD) {   /* (a name is opened again) */
-                    c->arena_lost = 1;
-                    c->lost_gen = r->gen;
-                }
+                lose_arena(c, r);
                 fl_raise(code, err, what);
                 goto unrebuilt;
             }
             SegmentObject *seg =
                 fl_segment_new_batch(st, addr, size, r->nslots, (size_t)r->slot_size);
-            if (seg == NULL)
+            if (seg == NULL) {   /* (unmapped by its dealloc) */
+                lose_arena(c, r);
                 goto unrebuilt;
+            }
             Py_XSETREF(c->arena, seg);
             c->arena_gen = r->gen;
             c->arena_slot_size = r->slot_size;

@@ -154,8 +154,8 @@ fl_recv_fd(int sock, int *fd_out, fl_fdmsg *msg, int *err)
     do {
         n = recvmsg(sock, &mh, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
     } while (n < 0 && errno == EINTR);
-    if (n <= 0) {
-        *err = n < 0 ? errno : EPIPE;
+    if (n < 0) {
+        *err = errno;
         return FL_ERRNO;
     }
     int fd = -1, nfds = 0;
@@ -173,9 +173,12 @@ fl_recv_fd(int sock, int *fd_out, fl_fdmsg *msg, int *err)
                 close(got);
         }
     }
-    if (nfds > 1) {   /* not a message of ours */
+    if (n == 0 && nfds == 0) {   /* the worker's end is closed */
+        *err = EPIPE;
+        return FL_ERRNO;
+    }
+    if (nfds > 1) {   /* not a message of ours (nor is an empty one with an fd, below) */
         close(fd);
-        fd = -1;
         *err = EPROTO;
         return FL_ERRNO;
     }

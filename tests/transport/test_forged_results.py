@@ -11,6 +11,7 @@ process that can write the control block or send on the socket could write them.
 """
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -37,6 +38,9 @@ def _overflow(worker, seq, seg, obj):
 
 FORGED = {
     "unknown placement": dict(where=9),
+    # as a worker sends it: the arena's fd first (it must not be left queued, or
+    # every later segment would be paired with the message before its own)
+    "slots off the grain, their fd sent": dict(gen=1, slot_size=SLOT_GRAIN + 4096, nslots=2),
     "an arena of no slots": dict(gen=1, slot_size=SLOT_GRAIN, nslots=0),
     "an arena of 2**32 - 1 slots": dict(gen=1, slot_size=SLOT_GRAIN, nslots=2**32 - 1),
     "slots off the grain": dict(gen=1, slot_size=SLOT_GRAIN + 4096, nslots=2),
@@ -50,9 +54,10 @@ def test_a_descriptor_that_fails_its_checks_becomes_that_batchs_error(case):
     fields = dict(where=_core.WHERE_SLOT, seg=1, nbytes=64)
     fields.update(FORGED[case])
     with forged_channel("forged") as worker:
-        if case == "a slot past the arena":   # the arena itself is sound
-            fd = sealed_segment(2 * SLOT_GRAIN)
-            worker.send_segment(1, 2 * SLOT_GRAIN, [fd])
+        if case in ("a slot past the arena", "slots off the grain, their fd sent"):
+            size = fields["slot_size"] * fields["nslots"]
+            fd = sealed_segment(size)
+            worker.send_segment(1, size, [fd])
             os.close(fd)
         worker.push(7, _core.RES_BATCH, **fields)
         wid, seq, kind, payload, _ = worker.recv()
@@ -60,21 +65,26 @@ def test_a_descriptor_that_fails_its_checks_becomes_that_batchs_error(case):
         assert isinstance(payload, RuntimeError), payload
         assert "failed validation" in str(payload)
         # the channel goes on
-        _overflow(worker, 8, 2, BATCH)
-        assert worker.recv()[1:4] == (8, _core.RES_BATCH, BATCH)
+        for seq, seg in ((8, 2), (9, 3)):
+            _overflow(worker, seq, seg, BATCH)
+            assert worker.recv()[1:4] == (seq, _core.RES_BATCH, BATCH)
 
 
 def _open_fds():
     return set(os.listdir("/proc/self/fd"))
 
 
-def test_a_segment_message_with_two_fds_is_refused_and_leaves_neither_open():
+@pytest.mark.parametrize("message", ["two fds", "no bytes"])
+def test_a_segment_message_not_as_workers_send_it_is_refused_and_leaves_no_fd_open(message):
     enc = _core.encode(BATCH)
     with forged_channel("twofds") as worker:
         before = _open_fds()
         seg_fd = sealed_segment(4096, enc)
         extra = os.open("/dev/null", os.O_RDONLY)
-        worker.send_segment(3, 4096, [seg_fd, extra])
+        if message == "two fds":
+            worker.send_segment(3, 4096, [seg_fd, extra])
+        else:   # an fd with an empty message (recvmsg returns 0 and installs it)
+            socket.send_fds(worker.sock, [b""], [seg_fd])
         os.close(seg_fd)
         os.close(extra)
         worker.push(9, _core.RES_BATCH, _core.WHERE_OVERFLOW, seg=3, nbytes=len(enc))
@@ -104,12 +114,12 @@ assert start % 8 != 0, start
 size = (len(enc) + SLOT_GRAIN - 1) // SLOT_GRAIN * SLOT_GRAIN
 flip = '''
 import mmap, os, sys, time
-fd, size, start, n = map(int, sys.argv[1:5])
+fd, size, start, n, parent = map(int, sys.argv[1:6])
 m = mmap.mmap(fd, size)
 ascii_, other = b"A" * n, bytes([0xC3]) * n
 print("ready", flush=True)
 deadline = time.monotonic() + 120
-while time.monotonic() < deadline and os.getppid() != 1:
+while time.monotonic() < deadline and os.getppid() == parent:   # until the reader ends
     for _ in range(64):
         m[start:start + n] = other
         m[start:start + n] = ascii_
@@ -118,7 +128,8 @@ with forged_channel("strrace") as worker:
     fd = sealed_segment(size, enc)
     worker.send_segment(1, size, [fd])
     flipper = subprocess.Popen([sys.executable, "-c", flip, str(fd), str(size), str(start),
-                                str(n)], pass_fds=[fd], stdout=subprocess.PIPE, text=True)
+                                str(n), str(os.getpid())], pass_fds=[fd],
+                               stdout=subprocess.PIPE, text=True)
     assert flipper.stdout.readline().strip() == "ready"
     reads = mixed = errors = 0
     deadline = time.monotonic() + 4
@@ -130,7 +141,7 @@ with forged_channel("strrace") as worker:
             errors += 1
             continue
         reads += 1
-        if s.isascii() and any(b >= 0x80 for b in s.encode("ascii")):
+        if s.isascii() and max(s.encode("ascii")) >= 0x80:
             print(json.dumps({"corrupt_at": reads}), flush=True)
             flipper.kill()
             sys.exit(3)
