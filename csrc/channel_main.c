@@ -560,6 +560,20 @@ mainchan_put_task(MainChannelObject *c, PyObject *args)
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(mainchan_stop_doc,
+"stop($self)\n--\n\n"
+"Tell the worker to take no more tasks: the next one it would take reads as\n"
+"TASK_SHUTDOWN, and what is queued behind it is skipped (a batch being built is\n"
+"finished). Put a TASK_SHUTDOWN after it to wake a worker that waits.");
+
+static PyObject *
+mainchan_stop(MainChannelObject *c, PyObject *Py_UNUSED(ignored))
+{
+    if (!c->closed && c->ctl != NULL && c->owner_pid == fl_self_pid())
+        atomic_store_explicit(&c->ctl->stop, 1, memory_order_relaxed);
+    Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(mainchan_offer_task_doc,
 "offer_task($self, kind, seq, payload=b'')\n--\n\n"
 "put_task, but returns False instead of raising when the ring has no room for the\n"
@@ -851,6 +865,7 @@ static PyMethodDef mainchan_methods[] = {
      mainchan_put_index_doc},
     {"put_task", (PyCFunction)mainchan_put_task, METH_VARARGS, mainchan_put_task_doc},
     {"offer_task", (PyCFunction)mainchan_offer_task, METH_VARARGS, mainchan_offer_task_doc},
+    {"stop", (PyCFunction)mainchan_stop, METH_NOARGS, mainchan_stop_doc},
     {"stats", (PyCFunction)mainchan_stats, METH_NOARGS, PyDoc_STR("stats() -> dict")},
     {"arena", (PyCFunction)mainchan_arena, METH_NOARGS,
      PyDoc_STR("arena() -> (address, nbytes) of the current ring arena, or None")},

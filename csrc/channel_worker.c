@@ -217,6 +217,11 @@ workerchan_get_task(WorkerChannelObject *w, PyObject *Py_UNUSED(ignored))
         int got = fl_task_peek(&w->ring, &h, &p);
         if (got < 0)
             return fl_raise(FL_CORRUPT, 0, "reading the task ring");
+        if (got && atomic_load_explicit(&w->ctl->stop, memory_order_relaxed)) {
+            /* told to stop: the rest of the ring is not ours to build */
+            w->last_task_ns = fl_now_ns();
+            return Py_BuildValue("(iiy)", FL_TASK_SHUTDOWN, -1, "");
+        }
         if (got) {
             PyObject *idx = task_to_python(&h, p);
             fl_task_pop(&w->ring, &h);

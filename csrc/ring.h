@@ -75,6 +75,10 @@ typedef struct {
      * (slots are reserved as batches first need them, see channel_worker.c) */
     _Atomic uint64_t arena_bytes;
     _Atomic uint64_t arena_reserved;
+    /* set by the main process when the worker is to stop: the next task the worker
+     * would take reads as FL_TASK_SHUTDOWN, so the tasks queued behind it are
+     * skipped (as torch's workers skip their queued indices once told to stop) */
+    _Alignas(FL_CL) _Atomic uint32_t stop;
 } fl_ctl;
 
 /* The rings' geometry, copied into each side's own memory when it attaches: the

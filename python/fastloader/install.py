@@ -64,8 +64,11 @@ def _fast_get_iterator(self):
     # from torch's lines, so that their warnings point where torch's do
     torch_sites.check_worker_number(self.check_worker_number_rationality)
     # the loader's session (session.py) numbers its epochs across its iterators
-    return torch_sites.new_multiprocessing_iter(FastMultiProcessingIter, self,
-                                                session=session_of(self), strategy=_strategy)
+    session = session_of(self)
+    it = torch_sites.new_multiprocessing_iter(FastMultiProcessingIter, self,
+                                              session=session, strategy=_strategy)
+    session.started(it)
+    return it
 
 
 def install(sharing_strategy: str = "file_descriptor") -> None:

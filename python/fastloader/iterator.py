@@ -175,7 +175,13 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             task_capacity=max(window, _TASK_RING_BYTES), result_capacity=max_tasks + 2,
             task_window=window)
         self._channels = self._pool.channel_tuple
-        self._reset(loader, first_iter=True)
+        try:
+            self._reset(loader, first_iter=True)
+        except BaseException:
+            # the first tasks failed (a sampler that raised, Ctrl-C): the workers
+            # stop now, not whenever the traceback holding this iterator goes
+            self._shutdown_workers(grace=_FAILURE_GRACE_S)
+            raise
 
     def __next__(self):
         # torch's __next__ opens a profiler range per batch (a few microseconds,
@@ -725,7 +731,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             try:
                 # the epoch's figures, kept for loader.stats(); without reading each
                 # worker's /proc smaps, which would slow every iterator's teardown
-                session.ended(self.state_dict(), self.stats(memory=False))
+                session.ended(self, self.state_dict(), self.stats(memory=False))
             except Exception:
                 pass
 

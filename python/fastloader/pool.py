@@ -480,10 +480,14 @@ class WorkerPool:
         for ch in self.channels:
             ch.watch = False
             if not ch.closed:
+                # the tasks still queued are skipped (as torch's workers skip
+                # theirs): a `break`, a framework's _shutdown_workers() or Ctrl-C
+                # does not wait for batches nobody will take
+                ch.stop()
                 try:
                     ch.put_task(TASK_SHUTDOWN, -1)
                 except Exception:
-                    pass   # a full ring: the worker gets terminated below
+                    pass   # a full ring: the stop flag ends it at its next task
         return True
 
     def shutdown(self, timeout: float = 5.0):

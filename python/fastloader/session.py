@@ -21,10 +21,16 @@ __all__ = ["LoaderSession", "session_of"]
 class LoaderSession:
     """What one loader keeps between its iterators."""
 
-    __slots__ = ("_iterator", "_pending_resume", "final_state", "final_stats", "epoch")
+    __slots__ = ("_iterator", "_current", "_pending_resume", "final_state", "final_stats",
+                 "epoch")
 
     def __init__(self):
         self._iterator: Optional[weakref.ref] = None
+        # id() of the current iterator: ended() takes only its report. (Not the
+        # weak reference: the garbage collector clears that before it runs the
+        # finalizer of an iterator caught in a cycle, whose report counts. An id
+        # is not reused while its object is being finalized.)
+        self._current: Optional[int] = None
         self._pending_resume: Optional[dict] = None
         self.final_state: Optional[dict] = None   # state_dict() of the last ended iterator
         self.final_stats: Optional[dict] = None   # stats() of the last ended epoch
@@ -36,13 +42,18 @@ class LoaderSession:
     def started(self, iterator) -> None:
         """`iterator` is the loader's current one (held weakly)."""
         self._iterator = weakref.ref(iterator)
+        self._current = id(iterator)
 
     def live_iterator(self) -> Any:
         return self._iterator() if self._iterator is not None else None
 
-    def ended(self, state: dict, stats: Optional[dict] = None) -> None:
-        """An iterator's epoch ended or the iterator went away: what it leaves for
-        ``state_dict()`` and ``stats()``."""
+    def ended(self, iterator, state: dict, stats: Optional[dict] = None) -> None:
+        """`iterator`'s epoch ended or it went away: what it leaves for
+        ``state_dict()`` and ``stats()``, if it is the current one. An older
+        iterator dropped later (kept past the next epoch, or past a
+        load_state_dict) leaves nothing: its epoch is not where the loader is."""
+        if id(iterator) != self._current:
+            return
         self.final_state = state
         if stats is not None:
             self.final_stats = stats
@@ -55,7 +66,7 @@ class LoaderSession:
     def start_afresh(self) -> None:
         """A fresh state was loaded: as a loader that never iterated (its live
         iterator, if any, was dropped by the loader)."""
-        self._iterator = None
+        self._iterator = self._current = None
         self._pending_resume = None
         self.final_state = self.final_stats = None
         self.epoch = 0

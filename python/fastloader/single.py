@@ -188,7 +188,7 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         return data
 
     def _leave_state_with_loader(self):
-        self._session.ended(self.state_dict())
+        self._session.ended(self, self.state_dict())
 
     def __del__(self):
         try:

@@ -34,7 +34,8 @@ class WorkerProcess(BaseProcess):
     the process is never registered as a child of this one (active_children() and
     multiprocessing's cleanup leave it to the pool, which reaps it)."""
 
-    __slots__ = ("_proc", "_pid", "_name", "_daemon", "_exitcode", "_closed", "_lock")
+    __slots__ = ("_proc", "_pid", "_name", "_daemon", "_exitcode", "_closed", "_lock",
+                 "_joiners")
 
     def __init__(self, proc):  # noqa: D107 -- BaseProcess.__init__ deliberately not called
         self._proc = proc
@@ -44,6 +45,7 @@ class WorkerProcess(BaseProcess):
         self._exitcode: Optional[int] = None
         self._closed = False
         self._lock = threading.Lock()
+        self._joiners = 0   # threads in join(): the sentinel they wait on stays open
 
     # -- identity (kept after close) --------------------------------------------------
     @property
@@ -99,12 +101,22 @@ class WorkerProcess(BaseProcess):
             return self._proc.is_alive()
 
     def join(self, timeout: Optional[float] = None) -> None:
-        # held while waiting: the reaper never closes the sentinel being waited on
+        # The wait holds no lock (a thread joining a stuck worker blocked every
+        # shutdown's is_alive() and terminate() for as long as it waited), only a
+        # count that keeps the sentinel it waits on open (_close_locked).
         with self._lock:
             self._sync_closed()
-            if not self._closed:
-                self._proc.join(timeout)
-                self._exitcode = self._poll_locked()
+            if self._closed:
+                return
+            self._joiners += 1
+        try:
+            self._proc.join(timeout)
+        finally:
+            with self._lock:
+                self._joiners -= 1
+                self._sync_closed()
+                if not self._closed:
+                    self._exitcode = self._poll_locked()
 
     def _poll_locked(self) -> Optional[int]:
         """The exit status, or None while the process runs.
@@ -165,7 +177,9 @@ class WorkerProcess(BaseProcess):
 
     def _close_locked(self) -> None:
         self._sync_closed()
-        if self._closed:
+        if self._closed or self._joiners:
+            # (a join elsewhere waits on the sentinel: the reaper tries again
+            # later; otherwise multiprocessing closes it with the process object)
             return
         code = self._proc.exitcode
         self._exitcode = code

@@ -2,6 +2,7 @@
 a restarted job would), and the rest of the epoch equals an uninterrupted run,
 batch by batch, including values drawn from worker RNGs."""
 import functools
+import gc
 import random
 import time
 import warnings
@@ -622,6 +623,41 @@ def test_loading_a_fresh_state_after_another_one_starts_afresh():
     loader.load_state_dict(fresh)
     assert loader.state_dict().get("fresh")
     assert len(list(loader)) == 4
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("after", ["a later epoch ended", "a fresh state was loaded"])
+def test_an_older_iterator_dropped_later_leaves_the_loaders_state_alone(workers, after):
+    """An iterator kept past the loader's next epoch (or past a load_state_dict)
+    and dropped afterwards used to leave its own mid-epoch state as the loader's:
+    a loader resumed from it replayed the rest of that older epoch. Its stats
+    took over too."""
+    ds = rd.RandomAugmented(40)
+    kw = dict(batch_size=4, num_workers=workers)
+    loader = make(ds, **kw)
+    old = iter(loader)
+    next(old), next(old)
+    if after == "a later epoch ended":
+        for _ in loader:
+            pass
+        stats = loader.stats()
+    else:
+        loader.load_state_dict(make(ds, **kw).state_dict())
+        stats = None
+    def where(state):
+        return {k: state.get(k) for k in ("fresh", "epoch", "epoch_done", "next_seq")}
+    state = where(loader.state_dict())
+    del old
+    gc.collect()
+    assert where(loader.state_dict()) == state
+    if workers:
+        assert loader.stats() == stats
+    if after == "a later epoch ended" and workers:
+        # resumed, the third epoch is the loader's own (in the main process, the
+        # samples' random draws come from the process's RNG, which both share)
+        resumed = make(ds, seed=999, **kw)
+        resumed.load_state_dict(loader.state_dict())
+        assert_same_batch_lists(epochs(loader, 1)[0], [clone_batch(b) for b in resumed])
 
 
 @tf.needs_in_order

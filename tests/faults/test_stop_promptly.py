@@ -1,0 +1,130 @@
+"""Workers stop when told, as torch's do.
+
+- Told to stop (a framework's `_shutdown_workers()`, `break`, Ctrl-C), a worker
+  finishes the batch it is building and skips the tasks queued behind it: it used
+  to build every one of them first (prefetch_factor batches per worker), so a
+  shutdown waited for batches nobody would take.
+- A thread waiting in `w.join()` on a stuck worker does not hold up a shutdown:
+  the join held a lock that the shutdown's is_alive() and terminate() wait for,
+  so the shutdown waited as long as the join (for ever, without a timeout).
+- An iter() whose first tasks fail (a sampler that raises) stops its workers
+  then, not when the exception's traceback, which holds the iterator, goes.
+"""
+import gc
+import os
+import threading
+import time
+
+import pytest
+import torch
+from torch.utils.data import Dataset, Sampler
+
+from fastloader import DataLoader
+from tests.support.fault_helpers import QUIET_WORKER_COUNT_WARNING
+from tests.support.helpers import is_gone, wait_until
+
+pytestmark = [QUIET_WORKER_COUNT_WARNING]
+
+
+class Logged(Dataset):
+    """Sample i is [i], after `delay` seconds; each fetch is logged to a file
+    (workers are processes). Index `stuck` takes `stuck_s` seconds instead."""
+
+    def __init__(self, log, n=64, delay=0.4, stuck=-1, stuck_s=0.0):
+        self.log, self.n, self.delay = log, n, delay
+        self.stuck, self.stuck_s = stuck, stuck_s
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        os.write(fd, b"%d\n" % i)
+        os.close(fd)
+        time.sleep(self.stuck_s if i == self.stuck else self.delay)
+        return torch.tensor([i])
+
+
+def _fetched(log):
+    with open(log) as f:
+        return [int(line) for line in f]
+
+
+@pytest.mark.parametrize("ctx", ["fork", "forkserver"])
+def test_a_worker_told_to_stop_skips_the_tasks_queued_behind_it(tmp_path, ctx):
+    log = str(tmp_path / "fetched")
+    workers, prefetch = 2, 4
+    loader = DataLoader(Logged(log), batch_size=1, num_workers=workers,
+                        prefetch_factor=prefetch, multiprocessing_context=ctx)
+    it = iter(loader)
+    assert next(it).tolist() == [[0]]
+    it._shutdown_workers()   # as Lightning and others call it
+    procs = list(it._workers)
+    assert all(not p.is_alive() for p in procs)
+    fetched = _fetched(log)
+    # queued: prefetch_factor per worker, and one more for the batch yielded. Each
+    # worker may have finished one more and be building another when told.
+    queued = workers * prefetch + 1
+    assert len(fetched) <= 1 + 2 * workers < queued, fetched
+
+
+def test_a_thread_joining_a_stuck_worker_does_not_hold_up_a_shutdown(tmp_path):
+    log = str(tmp_path / "fetched")
+    loader = DataLoader(Logged(log, delay=0.0, stuck=1, stuck_s=600), batch_size=1,
+                        num_workers=2, multiprocessing_context="fork")
+    it = iter(loader)
+    assert next(it).tolist() == [[0]]
+    assert wait_until(lambda: os.path.exists(log) and 1 in _fetched(log), 60)
+    stuck = it._workers[1]
+    joiner = threading.Thread(target=stuck.join, daemon=True)   # no timeout
+    joiner.start()
+    time.sleep(0.2)
+    done = threading.Event()
+
+    def shut():
+        it._shutdown_workers()
+        done.set()
+    threading.Thread(target=shut, daemon=True).start()
+    try:
+        # the shutdown's grace (5 s), then SIGTERM: well within a minute
+        assert done.wait(60), "the shutdown waited for the join"
+        joiner.join(30)
+        assert not joiner.is_alive()
+        assert is_gone(stuck.pid)
+    finally:
+        if not done.is_set():
+            os.kill(stuck.pid, 9)
+
+
+class FailsAfter(Sampler):
+    """Yields `good` indices, then raises."""
+
+    def __init__(self, good):
+        self.good = good
+
+    def __iter__(self):
+        yield from range(self.good)
+        raise ValueError("the sampler failed")
+
+    def __len__(self):
+        return 64
+
+
+def test_workers_of_an_iter_whose_first_tasks_fail_stop_with_it(tmp_path):
+    log = str(tmp_path / "fetched")
+    loader = DataLoader(Logged(log, delay=0.0), sampler=FailsAfter(1), batch_size=1,
+                        num_workers=2, multiprocessing_context="fork")
+    with pytest.raises(ValueError, match="the sampler failed") as caught:
+        iter(loader)
+    gc.collect()
+    # the traceback (held, as a notebook's sys.last_traceback holds one) keeps the
+    # iterator; its workers must be gone all the same
+    tb, its = caught.value.__traceback__, []
+    while tb is not None:
+        its += [v for v in tb.tb_frame.f_locals.values()
+                if not isinstance(v, type) and hasattr(v, "worker_pids")]
+        tb = tb.tb_next
+    pids = its[0].worker_pids
+    assert len(pids) == 2
+    assert wait_until(lambda: all(is_gone(pid) for pid in pids), 30), \
+        f"the failed iter()'s workers {pids} still run"
