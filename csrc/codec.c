@@ -1296,6 +1296,59 @@ dec_tensor_view(dec *d)
     return t;
 }
 
+/* The main process's namedtuple classes, by the bytes a worker pickled them to:
+ * key -> (class, the dict of its module, its name), or (class, None, None) for a
+ * class that is not a module's attribute (a nested one). Pickle looks a class up
+ * by name at each load; so does a hit here, in the module's dict: a class
+ * redefined since (a notebook cell run again, a module reloaded) is looked up
+ * anew, as torch's unpickling finds it, and a nested one always is. */
+static PyObject *
+cached_class(PyObject *cache, PyObject *key)
+{
+    PyObject *entry = PyDict_GetItemWithError(cache, key);   /* borrowed */
+    if (entry == NULL)
+        return NULL;
+    PyObject *cls = PyTuple_GET_ITEM(entry, 0), *where = PyTuple_GET_ITEM(entry, 1);
+    if (where == Py_None)
+        return NULL;
+    PyObject *now = PyDict_GetItemWithError(where, PyTuple_GET_ITEM(entry, 2));
+    if (now != cls)
+        return NULL;   /* (an error, if any, is raised) */
+    return Py_NewRef(cls);
+}
+
+static int
+cache_class(PyObject *cache, PyObject *key, PyObject *cls)
+{
+    PyObject *where = Py_None, *name = Py_None, *mod = NULL, *entry = NULL;
+    PyObject *modname = PyObject_GetAttrString(cls, "__module__");
+    PyObject *qualname = PyObject_GetAttrString(cls, "__qualname__");
+    int rc = -1;
+    if (modname == NULL || qualname == NULL)
+        goto done;
+    if (PyUnicode_Check(modname) && PyUnicode_Check(qualname) &&
+        PyUnicode_FindChar(qualname, '.', 0, PyUnicode_GET_LENGTH(qualname), 1) == -1) {
+        mod = PyImport_GetModule(modname);
+        if (mod == NULL && PyErr_Occurred())
+            goto done;
+        if (mod != NULL && PyModule_Check(mod) &&
+            PyDict_GetItemWithError(PyModule_GetDict(mod), qualname) == cls) {
+            where = PyModule_GetDict(mod);
+            name = qualname;
+        }
+        else if (PyErr_Occurred())
+            goto done;
+    }
+    entry = PyTuple_Pack(3, cls, where, name);
+    rc = entry == NULL ? -1 : PyDict_SetItem(cache, key, entry);
+done:
+    Py_XDECREF(entry);
+    Py_XDECREF(mod);
+    Py_XDECREF(modname);
+    Py_XDECREF(qualname);
+    return rc;
+}
+
 static PyObject *
 dec_items(dec *d, Py_ssize_t n, int depth, int as_list)
 {
@@ -1400,26 +1453,23 @@ dec_tagged(dec *d, uint8_t tag, int depth)
         d->s += clen;
         if (key == NULL)
             return NULL;
-        PyObject *cls = PyDict_GetItemWithError(d->st->class_cache, key);
-        if (cls == NULL) {
-            if (PyErr_Occurred()) {
-                Py_DECREF(key);
-                return NULL;
-            }
+        PyObject *cls = cached_class(d->st->class_cache, key);
+        if (cls == NULL && !PyErr_Occurred()) {
             PyObject *noob = PyList_New(0);
             cls = noob ? PyObject_CallFunctionObjArgs(d->st->hook_loads, key, noob, NULL)
                        : NULL;
             Py_XDECREF(noob);
-            if (cls == NULL || !PyType_Check(cls) ||
-                !PyType_IsSubtype((PyTypeObject *)cls, &PyTuple_Type) ||
-                PyDict_SetItem(d->st->class_cache, key, cls) < 0) {
-                Py_XDECREF(cls);
-                Py_DECREF(key);
-                return PyErr_Occurred() ? NULL : corrupt("namedtuple class");
+            if (cls != NULL && (!PyType_Check(cls) ||
+                                !PyType_IsSubtype((PyTypeObject *)cls, &PyTuple_Type))) {
+                Py_CLEAR(cls);
+                corrupt("namedtuple class");
             }
-            Py_DECREF(cls); /* the cache holds it */
+            if (cls != NULL && cache_class(d->st->class_cache, key, cls) < 0)
+                Py_CLEAR(cls);
         }
         Py_DECREF(key);
+        if (cls == NULL)
+            return NULL;
         if (take(d, &n, 8) < 0)
             return NULL;
         PyObject *items = dec_items(d, (Py_ssize_t)(n > PY_SSIZE_T_MAX ? PY_SSIZE_T_MAX : n),
@@ -1433,6 +1483,7 @@ dec_tagged(dec *d, uint8_t tag, int depth)
                                  : PyErr_Format(PyExc_TypeError, "cannot create '%.100s' instances",
                                                 tp->tp_name);
         Py_DECREF(items);
+        Py_DECREF(cls);
         return r;
     }
     case T_ARRAY:

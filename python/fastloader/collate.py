@@ -350,6 +350,16 @@ def _slot_collate(batch):
     return _tc.collate(batch, collate_fn_map=fns)
 
 
+def _is_torchs_default_collate(fn) -> bool:
+    """Whether `fn` is torch's own default_collate. Not `fn is
+    _tc.default_collate`: a program (or library) that replaced that module
+    attribute before building its loader passes its replacement as the loader's
+    collate_fn, which must then run (it was swapped for the slot collate)."""
+    code = getattr(fn, "__code__", None)
+    return (code is not None and code.co_name == "default_collate"
+            and code.co_filename == _tc.__file__)
+
+
 def worker_collate(collate_fn):
     """The collate a worker runs for the loader's collate_fn."""
-    return slot_collate if collate_fn is _tc.default_collate else collate_fn
+    return slot_collate if _is_torchs_default_collate(collate_fn) else collate_fn

@@ -2,6 +2,8 @@
 Mapping that takes a len() in __init__, a UserDict that casts in __setitem__, a
 namedtuple whose __new__ coerces): the slot collate's placeholders must never reach
 them, so the batches are torch's (type, attributes, dtypes) or torch's error."""
+import collections
+
 import pytest
 import torch
 from torch.utils.data import DataLoader as TorchDataLoader
@@ -80,3 +82,55 @@ def test_namedtuple_instances_arrive_as_torchs_pickle_delivers_them(kind):
         assert len(mfields) == len(tfields)
         for mine, torchs in zip(mfields, tfields):
             assert_same_batches(torchs, mine)
+
+
+# Redefined by the test below, as a notebook cell run again redefines a class.
+Redefined = collections.namedtuple("Redefined", "x y")
+
+
+class ReturnsRedefined(torch.utils.data.Dataset):
+    """A sample of whatever `Redefined` is now (forked workers see it as the main
+    process had it when they started)."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        cls = globals()["Redefined"]
+        return cls(*[torch.tensor(i + k) for k in range(len(cls._fields))])
+
+
+def test_a_namedtuple_class_redefined_between_loaders_arrives_as_the_new_one():
+    """The main process looks its namedtuple classes up once and keeps them: a class
+    redefined since (with a field more) came back as the old class, or failed
+    (`__new__() takes 3 positional arguments but 4 were given`). Pickle, so torch,
+    looks the name up at each load."""
+    global Redefined
+    original = Redefined
+    try:
+        for fields in ("x y", "x y z", "x y"):
+            Redefined = collections.namedtuple("Redefined", fields)
+            for cls in (TorchDataLoader, DataLoader):
+                batches = collect(cls(ReturnsRedefined(), batch_size=2, num_workers=2,
+                                      multiprocessing_context="fork"), seconds=120)
+                assert [type(b) for b in batches] == [Redefined] * 2, cls
+                assert [b._fields for b in batches] == [tuple(fields.split())] * 2
+    finally:
+        Redefined = original
+
+
+def test_a_replaced_default_collate_runs_as_with_torch(monkeypatch):
+    """A program (or a library) that replaced torch's default_collate attribute
+    before building its loaders passes its replacement as their collate_fn: it was
+    taken for torch's own and swapped for the slot collate."""
+    from torch.utils.data._utils import collate as torch_collate
+    original = torch_collate.default_collate
+
+    def replaced(batch):
+        return {"replaced": True, "batch": original(batch)}
+    monkeypatch.setattr(torch_collate, "default_collate", replaced)
+    samples = [(i, float(i)) for i in range(8)]
+    theirs = collect(TorchDataLoader(samples, batch_size=4, num_workers=2), seconds=120)
+    ours = collect(DataLoader(samples, batch_size=4, num_workers=2), seconds=120)
+    assert [b["replaced"] for b in ours] == [True, True]
+    assert_same_batches(ours, theirs)
