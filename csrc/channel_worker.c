@@ -214,14 +214,15 @@ workerchan_get_task(WorkerChannelObject *w, PyObject *Py_UNUSED(ignored))
     for (;;) {
         fl_task_hdr h;
         const uint8_t *p;
-        int got = fl_task_peek(&w->ring, &h, &p);
-        if (got < 0)
-            return fl_raise(FL_CORRUPT, 0, "reading the task ring");
-        if (got && atomic_load_explicit(&w->ctl->stop, memory_order_relaxed)) {
-            /* told to stop: the rest of the ring is not ours to build */
+        if (atomic_load_explicit(&w->ctl->stop, memory_order_relaxed)) {
+            /* told to stop: what is queued is not ours to build (and where the
+             * SHUTDOWN task found no room, this ends the wait: polls time out) */
             w->last_task_ns = fl_now_ns();
             return Py_BuildValue("(iiy)", FL_TASK_SHUTDOWN, -1, "");
         }
+        int got = fl_task_peek(&w->ring, &h, &p);
+        if (got < 0)
+            return fl_raise(FL_CORRUPT, 0, "reading the task ring");
         if (got) {
             PyObject *idx = task_to_python(&h, p);
             fl_task_pop(&w->ring, &h);

@@ -1297,53 +1297,71 @@ dec_tensor_view(dec *d)
 }
 
 /* The main process's namedtuple classes, by the bytes a worker pickled them to:
- * key -> (class, the dict of its module, its name), or (class, None, None) for a
- * class that is not a module's attribute (a nested one). Pickle looks a class up
- * by name at each load; so does a hit here, in the module's dict: a class
- * redefined since (a notebook cell run again, a module reloaded) is looked up
- * anew, as torch's unpickling finds it, and a nested one always is. */
+ * key -> (class, its module's name, its qualified name). Pickle looks a class up
+ * by name at each load, and so does a hit here (sys.modules, then the attributes
+ * the qualified name names: dict lookups, not an unpickling): a class redefined
+ * since (a notebook cell run again, a module reloaded or imported anew) is
+ * looked up anew, as torch's unpickling finds it. A class whose names are not
+ * plain strings is looked up anew each time. */
+static PyObject *
+class_now(PyObject *modname, PyObject *qualname)
+{
+    PyObject *obj = PyImport_GetModule(modname);
+    if (obj == NULL)
+        return NULL;
+    PyObject *dot = PyUnicode_FromString(".");
+    PyObject *parts = dot ? PyUnicode_Split(qualname, dot, -1) : NULL;
+    if (parts == NULL)
+        goto fail;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(parts); i++) {
+        PyObject *next = PyObject_GetAttr(obj, PyList_GET_ITEM(parts, i));
+        Py_SETREF(obj, next);
+        if (obj == NULL)
+            goto fail;
+    }
+    Py_DECREF(parts);
+    Py_DECREF(dot);
+    return obj;
+fail:
+    Py_XDECREF(parts);
+    Py_XDECREF(dot);
+    Py_XDECREF(obj);
+    return NULL;
+}
+
 static PyObject *
 cached_class(PyObject *cache, PyObject *key)
 {
     PyObject *entry = PyDict_GetItemWithError(cache, key);   /* borrowed */
     if (entry == NULL)
         return NULL;
-    PyObject *cls = PyTuple_GET_ITEM(entry, 0), *where = PyTuple_GET_ITEM(entry, 1);
-    if (where == Py_None)
+    PyObject *cls = PyTuple_GET_ITEM(entry, 0), *modname = PyTuple_GET_ITEM(entry, 1);
+    if (modname == Py_None)
         return NULL;
-    PyObject *now = PyDict_GetItemWithError(where, PyTuple_GET_ITEM(entry, 2));
-    if (now != cls)
-        return NULL;   /* (an error, if any, is raised) */
-    return Py_NewRef(cls);
+    PyObject *now = class_now(modname, PyTuple_GET_ITEM(entry, 2));
+    if (now == NULL) {
+        PyErr_Clear();   /* gone: unpickled anew, which raises what pickle would */
+        return NULL;
+    }
+    if (now != cls) {
+        Py_DECREF(now);
+        return NULL;
+    }
+    return now;
 }
 
 static int
 cache_class(PyObject *cache, PyObject *key, PyObject *cls)
 {
-    PyObject *where = Py_None, *name = Py_None, *mod = NULL, *entry = NULL;
     PyObject *modname = PyObject_GetAttrString(cls, "__module__");
-    PyObject *qualname = PyObject_GetAttrString(cls, "__qualname__");
-    int rc = -1;
-    if (modname == NULL || qualname == NULL)
-        goto done;
-    if (PyUnicode_Check(modname) && PyUnicode_Check(qualname) &&
-        PyUnicode_FindChar(qualname, '.', 0, PyUnicode_GET_LENGTH(qualname), 1) == -1) {
-        mod = PyImport_GetModule(modname);
-        if (mod == NULL && PyErr_Occurred())
-            goto done;
-        if (mod != NULL && PyModule_Check(mod) &&
-            PyDict_GetItemWithError(PyModule_GetDict(mod), qualname) == cls) {
-            where = PyModule_GetDict(mod);
-            name = qualname;
-        }
-        else if (PyErr_Occurred())
-            goto done;
-    }
-    entry = PyTuple_Pack(3, cls, where, name);
-    rc = entry == NULL ? -1 : PyDict_SetItem(cache, key, entry);
-done:
+    PyObject *qualname = modname ? PyObject_GetAttrString(cls, "__qualname__") : NULL;
+    PyErr_Clear();   /* without them: looked up anew each time */
+    int plain = modname && qualname && PyUnicode_CheckExact(modname) &&
+                PyUnicode_CheckExact(qualname);
+    PyObject *entry = plain ? PyTuple_Pack(3, cls, modname, qualname)
+                            : PyTuple_Pack(3, cls, Py_None, Py_None);
+    int rc = entry == NULL ? -1 : PyDict_SetItem(cache, key, entry);
     Py_XDECREF(entry);
-    Py_XDECREF(mod);
     Py_XDECREF(modname);
     Py_XDECREF(qualname);
     return rc;
@@ -1470,12 +1488,14 @@ dec_tagged(dec *d, uint8_t tag, int depth)
         Py_DECREF(key);
         if (cls == NULL)
             return NULL;
-        if (take(d, &n, 8) < 0)
+        PyObject *items = take(d, &n, 8) < 0
+                              ? NULL
+                              : dec_items(d, (Py_ssize_t)(n > PY_SSIZE_T_MAX ? PY_SSIZE_T_MAX : n),
+                                          depth, 0);
+        if (items == NULL) {
+            Py_DECREF(cls);
             return NULL;
-        PyObject *items = dec_items(d, (Py_ssize_t)(n > PY_SSIZE_T_MAX ? PY_SSIZE_T_MAX : n),
-                                    depth, 0);
-        if (items == NULL)
-            return NULL;
+        }
         /* pickle's rebuild: cls.__new__(cls, *fields), and no __init__ (a class's
            tp_new calls its __new__) */
         PyTypeObject *tp = (PyTypeObject *)cls;

@@ -177,10 +177,14 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         self._channels = self._pool.channel_tuple
         try:
             self._reset(loader, first_iter=True)
-        except BaseException:
+        except BaseException as exc:
             # the first tasks failed (a sampler that raised, Ctrl-C): the workers
-            # stop now, not whenever the traceback holding this iterator goes
-            self._shutdown_workers(grace=_FAILURE_GRACE_S)
+            # stop now, not whenever the traceback holding this iterator goes;
+            # off the caller's path, unless it is Ctrl-C
+            if isinstance(exc, Exception):
+                self._shutdown_workers(deferred=True)
+            else:
+                self._shutdown_workers(grace=_FAILURE_GRACE_S)
             raise
 
     def __next__(self):

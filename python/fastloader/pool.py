@@ -487,7 +487,7 @@ class WorkerPool:
                 try:
                     ch.put_task(TASK_SHUTDOWN, -1)
                 except Exception:
-                    pass   # a full ring: the stop flag ends it at its next task
+                    pass   # no room: the stop flag ends it all the same
         return True
 
     def shutdown(self, timeout: float = 5.0):

@@ -26,11 +26,12 @@ class LoaderSession:
 
     def __init__(self):
         self._iterator: Optional[weakref.ref] = None
-        # id() of the current iterator: ended() takes only its report. (Not the
-        # weak reference: the garbage collector clears that before it runs the
-        # finalizer of an iterator caught in a cycle, whose report counts. An id
-        # is not reused while its object is being finalized.)
-        self._current: Optional[int] = None
+        # the token given to the current iterator: ended() takes only its report.
+        # (Not the weak reference: the garbage collector clears that before it
+        # runs the finalizer of an iterator caught in a cycle, whose report
+        # counts. Not its id(): an iterator that failed to start may have the
+        # address of the one just freed.)
+        self._current: Optional[object] = None
         self._pending_resume: Optional[dict] = None
         self.final_state: Optional[dict] = None   # state_dict() of the last ended iterator
         self.final_stats: Optional[dict] = None   # stats() of the last ended epoch
@@ -42,7 +43,7 @@ class LoaderSession:
     def started(self, iterator) -> None:
         """`iterator` is the loader's current one (held weakly)."""
         self._iterator = weakref.ref(iterator)
-        self._current = id(iterator)
+        self._current = iterator._session_token = object()
 
     def live_iterator(self) -> Any:
         return self._iterator() if self._iterator is not None else None
@@ -52,7 +53,8 @@ class LoaderSession:
         ``state_dict()`` and ``stats()``, if it is the current one. An older
         iterator dropped later (kept past the next epoch, or past a
         load_state_dict) leaves nothing: its epoch is not where the loader is."""
-        if id(iterator) != self._current:
+        token = getattr(iterator, "_session_token", None)
+        if token is None or token is not self._current:
             return
         self.final_state = state
         if stats is not None:

@@ -34,8 +34,7 @@ class WorkerProcess(BaseProcess):
     the process is never registered as a child of this one (active_children() and
     multiprocessing's cleanup leave it to the pool, which reaps it)."""
 
-    __slots__ = ("_proc", "_pid", "_name", "_daemon", "_exitcode", "_closed", "_lock",
-                 "_joiners")
+    __slots__ = ("_proc", "_pid", "_name", "_daemon", "_exitcode", "_closed", "_lock")
 
     def __init__(self, proc):  # noqa: D107 -- BaseProcess.__init__ deliberately not called
         self._proc = proc
@@ -45,7 +44,6 @@ class WorkerProcess(BaseProcess):
         self._exitcode: Optional[int] = None
         self._closed = False
         self._lock = threading.Lock()
-        self._joiners = 0   # threads in join(): the sentinel they wait on stays open
 
     # -- identity (kept after close) --------------------------------------------------
     @property
@@ -102,21 +100,32 @@ class WorkerProcess(BaseProcess):
 
     def join(self, timeout: Optional[float] = None) -> None:
         # The wait holds no lock (a thread joining a stuck worker blocked every
-        # shutdown's is_alive() and terminate() for as long as it waited), only a
-        # count that keeps the sentinel it waits on open (_close_locked).
+        # shutdown's is_alive() and terminate() for as long as it waited): it
+        # waits on a duplicate of the sentinel, which a close() meanwhile leaves
+        # open, and only then reads the status, under the lock (two readers of it
+        # at once lose it: multiprocessing then says 255, or 0).
         with self._lock:
             self._sync_closed()
             if self._closed:
                 return
-            self._joiners += 1
+            self._exitcode = self._poll_locked()
+            if self._exitcode is not None:
+                return
+            fd = os.dup(self._proc.sentinel)
         try:
-            self._proc.join(timeout)
+            exited = bool(_wait_fds([fd], timeout))
         finally:
-            with self._lock:
-                self._joiners -= 1
-                self._sync_closed()
-                if not self._closed:
-                    self._exitcode = self._poll_locked()
+            os.close(fd)
+        with self._lock:
+            self._sync_closed()
+            if self._closed:
+                return
+            if exited and self._poll_locked() is None:
+                # the sentinel closes as the process exits, a moment before it
+                # can be reaped: wait for that moment, as multiprocessing's own
+                # join does (a blocking waitpid, which returns at once then)
+                self._proc.join()
+            self._exitcode = self._poll_locked()
 
     def _poll_locked(self) -> Optional[int]:
         """The exit status, or None while the process runs.
@@ -177,9 +186,7 @@ class WorkerProcess(BaseProcess):
 
     def _close_locked(self) -> None:
         self._sync_closed()
-        if self._closed or self._joiners:
-            # (a join elsewhere waits on the sentinel: the reaper tries again
-            # later; otherwise multiprocessing closes it with the process object)
+        if self._closed:
             return
         code = self._proc.exitcode
         self._exitcode = code
@@ -188,8 +195,9 @@ class WorkerProcess(BaseProcess):
 
     # -- for the pool's reaper -------------------------------------------------------------
     def reap_and_close(self) -> bool:
-        """Reap the process and close it if it has exited; never blocks (a join in
-        progress elsewhere does the reaping). True once closed."""
+        """Reap the process and close it if it has exited; never blocks (another
+        thread reading its status holds the lock a moment: tried again later).
+        True once closed."""
         if not self._lock.acquire(blocking=False):
             return False
         try:
@@ -201,8 +209,9 @@ class WorkerProcess(BaseProcess):
             self._lock.release()
 
     def signal_nowait(self, sig: int) -> None:
-        """Send `sig` unless the process was reaped; never waits for the lock (a
-        join holding it has not reaped the process yet, so the pid is still ours)."""
+        """Send `sig` unless the process was reaped; never waits for the lock
+        (another thread reading the status holds it for one waitpid: the pid
+        could be freed in that moment, not reused by then in practice)."""
         locked = self._lock.acquire(blocking=False)
         try:
             if locked:
@@ -219,7 +228,7 @@ class WorkerProcess(BaseProcess):
 
     def has_exited(self) -> bool:
         """Whether the process has exited (reaped or not); never blocks, and says
-        False while a join elsewhere holds the lock (it is then still to be reaped)."""
+        False while another thread reading its status holds the lock."""
         if not self._lock.acquire(blocking=False):
             return False
         try:
