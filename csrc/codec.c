@@ -1329,24 +1329,30 @@ fail:
     return NULL;
 }
 
+/* A lookup failed with an ordinary error (the name is gone): cleared, so that the
+ * class is unpickled anew, which raises what pickle would. Ctrl-C and other
+ * BaseExceptions stay raised. */
+static void
+clear_lookup_error(void)
+{
+    if (PyErr_ExceptionMatches(PyExc_Exception))
+        PyErr_Clear();
+}
+
 static PyObject *
 cached_class(PyObject *cache, PyObject *key)
 {
-    PyObject *entry = PyDict_GetItemWithError(cache, key);   /* borrowed */
+    PyObject *entry = PyDict_GetItemWithError(cache, key);
     if (entry == NULL)
         return NULL;
+    Py_INCREF(entry);   /* the lookup below may run code that replaces it */
     PyObject *cls = PyTuple_GET_ITEM(entry, 0), *modname = PyTuple_GET_ITEM(entry, 1);
-    if (modname == Py_None)
-        return NULL;
-    PyObject *now = class_now(modname, PyTuple_GET_ITEM(entry, 2));
-    if (now == NULL) {
-        PyErr_Clear();   /* gone: unpickled anew, which raises what pickle would */
-        return NULL;
-    }
-    if (now != cls) {
-        Py_DECREF(now);
-        return NULL;
-    }
+    PyObject *now = modname == Py_None ? NULL : class_now(modname, PyTuple_GET_ITEM(entry, 2));
+    if (now == NULL)
+        clear_lookup_error();
+    else if (now != cls)
+        Py_CLEAR(now);
+    Py_DECREF(entry);
     return now;
 }
 
@@ -1355,7 +1361,13 @@ cache_class(PyObject *cache, PyObject *key, PyObject *cls)
 {
     PyObject *modname = PyObject_GetAttrString(cls, "__module__");
     PyObject *qualname = modname ? PyObject_GetAttrString(cls, "__qualname__") : NULL;
-    PyErr_Clear();   /* without them: looked up anew each time */
+    if (PyErr_Occurred()) {   /* without them: looked up anew each time */
+        clear_lookup_error();
+        if (PyErr_Occurred()) {
+            Py_XDECREF(modname);
+            return -1;
+        }
+    }
     int plain = modname && qualname && PyUnicode_CheckExact(modname) &&
                 PyUnicode_CheckExact(qualname);
     PyObject *entry = plain ? PyTuple_Pack(3, cls, modname, qualname)

@@ -11,8 +11,8 @@ exit code) once closed, and never signalling a pid that may have been reused.
 
 The pool's reaper thread (reaper.py) reaps and closes a worker after its epoch,
 while user code may be joining or reading it: a lock makes close and every
-read of the process object one step each (``join`` waits without it where it can,
-and the reaper then leaves the close to the next look)."""
+read of the process object one step each (``join`` waits without it, on an fd of
+its own, and reads the status under it)."""
 from __future__ import annotations
 
 import os
@@ -100,32 +100,48 @@ class WorkerProcess(BaseProcess):
 
     def join(self, timeout: Optional[float] = None) -> None:
         # The wait holds no lock (a thread joining a stuck worker blocked every
-        # shutdown's is_alive() and terminate() for as long as it waited): it
-        # waits on a duplicate of the sentinel, which a close() meanwhile leaves
+        # shutdown's is_alive() and terminate() for as long as it waited): it waits
+        # on an fd of its own (_exit_fd_locked), which a close() meanwhile leaves
         # open, and only then reads the status, under the lock (two readers of it
         # at once lose it: multiprocessing then says 255, or 0).
-        with self._lock:
-            self._sync_closed()
-            if self._closed:
-                return
-            self._exitcode = self._poll_locked()
-            if self._exitcode is not None:
-                return
-            fd = os.dup(self._proc.sentinel)
+        fd = None
         try:
+            with self._lock:
+                self._sync_closed()
+                if self._closed:
+                    return
+                self._exitcode = self._poll_locked()
+                if self._exitcode is not None:
+                    return
+                fd = self._exit_fd_locked()
             exited = bool(_wait_fds([fd], timeout))
         finally:
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
         with self._lock:
             self._sync_closed()
             if self._closed:
                 return
             if exited and self._poll_locked() is None:
-                # the sentinel closes as the process exits, a moment before it
-                # can be reaped: wait for that moment, as multiprocessing's own
-                # join does (a blocking waitpid, which returns at once then)
+                # (a sentinel closes as the process exits, a moment before it can
+                # be reaped: wait for that moment, a blocking waitpid that returns
+                # at once then, as multiprocessing's own join does)
                 self._proc.join()
             self._exitcode = self._poll_locked()
+
+    def _exit_fd_locked(self) -> int:
+        """A new fd that reads as ready once the process has exited. Our own child
+        (fork, spawn): a pidfd, since the sentinel, a pipe, stays open while
+        anything the worker started holds its end (a forked helper, `cmd &`),
+        long after the worker died. Otherwise (a forkserver's child) the sentinel
+        is the server's status pipe, written once it reaped the process."""
+        popen = getattr(self._proc, "_popen", None)
+        if getattr(popen, "method", None) in ("fork", "spawn"):
+            try:
+                return os.pidfd_open(self._pid)
+            except (OSError, AttributeError):   # a kernel or Python without pidfds
+                pass
+        return os.dup(self._proc.sentinel)
 
     def _poll_locked(self) -> Optional[int]:
         """The exit status, or None while the process runs.

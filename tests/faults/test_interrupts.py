@@ -322,15 +322,17 @@ _EXIT_CTRL_C_SCRIPT = """
     from fastloader import DataLoader
     from tests.support.reliability_datasets import SleepAtIndexDataset
 
-    loader = DataLoader(SleepAtIndexDataset(n=40, at=3, seconds=60), batch_size=1,
+    loader = DataLoader(SleepAtIndexDataset(n=40, at=1, seconds=60), batch_size=1,
                         num_workers=2, multiprocessing_context="fork",
                         sharing_strategy="file_system")
     it = iter(loader)
     assert int(next(it)) == 0
     pids = list(it.worker_pids)
+    # worker 1 is in its first task, batch 1's 60 s sample, by now (a worker told
+    # to stop skips the tasks it has not started, as torch's do)
+    time.sleep(0.5)
     if sys.argv[1] == "retired":
         del it   # its workers are the reaper's now, with 5 s to stop
-    time.sleep(0.5)   # worker 1 is in batch 3's 60 s sample by now
     print("pids", *pids, flush=True)
     print("exiting", flush=True)
 """

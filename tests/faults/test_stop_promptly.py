@@ -55,7 +55,9 @@ def _fetched(log, after=0.0):
 def test_a_worker_told_to_stop_skips_the_tasks_queued_behind_it(tmp_path, ctx):
     log = str(tmp_path / "fetched")
     workers, prefetch = 2, 4
-    loader = DataLoader(Logged(log), batch_size=1, num_workers=workers,
+    # (a sample takes 1 s: a worker that took a task just before it was told has
+    # started no other by the time the stop flag is set, however loaded the box)
+    loader = DataLoader(Logged(log, delay=1.0), batch_size=1, num_workers=workers,
                         prefetch_factor=prefetch, multiprocessing_context=ctx)
     it = iter(loader)
     assert next(it).tolist() == [[0]]
@@ -153,4 +155,54 @@ def test_a_worker_joined_from_two_threads_keeps_its_exit_status(tmp_path, ctx):
         first = w.exitcode
         joiner.join(30)
         assert (first, w.exitcode) == (-9, -9)
+        it._shutdown_workers()
+
+
+class ForksAHelper(Dataset):
+    """Sample i is [i]; the worker first forks a helper that outlives it (it holds
+    whatever the worker held, the sentinel pipe's write end among them)."""
+
+    def __init__(self, helper_pid_file):
+        self.helper_pid_file = helper_pid_file
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        if not os.path.exists(self.helper_pid_file):
+            pid = os.fork()
+            if pid == 0:
+                time.sleep(120)
+                os._exit(0)
+            with open(self.helper_pid_file, "w") as f:
+                f.write(str(pid))
+        return torch.tensor([i])
+
+
+def test_joining_a_dead_worker_returns_while_a_helper_it_forked_lives(tmp_path):
+    """join() waited for the sentinel pipe to close: a helper the worker forked
+    holds its write end, so a join (and a shutdown, which joins) waited for the
+    helper. multiprocessing's join returns once the worker is dead."""
+    pid_file = str(tmp_path / "helper")
+    loader = DataLoader(ForksAHelper(pid_file), batch_size=1, num_workers=1,
+                        multiprocessing_context="fork")
+    it = iter(loader)
+    next(it)
+    def helper_pid():
+        if not os.path.exists(pid_file):
+            return None
+        with open(pid_file) as f:
+            text = f.read()
+        return int(text) if text else None
+    assert wait_until(helper_pid, 60)
+    helper = helper_pid()
+    try:
+        w = it._workers[0]
+        os.kill(w.pid, 9)
+        done = threading.Event()
+        threading.Thread(target=lambda: (w.join(), done.set()), daemon=True).start()
+        assert done.wait(30), "join() waited for the worker's helper"
+        assert w.exitcode == -9
+    finally:
+        os.kill(helper, 9)
         it._shutdown_workers()
