@@ -1297,36 +1297,20 @@ dec_tensor_view(dec *d)
 }
 
 /* The main process's namedtuple classes, by the bytes a worker pickled them to:
- * key -> (class, its module's name, its qualified name). Pickle looks a class up
- * by name at each load, and so does a hit here (sys.modules, then the attributes
- * the qualified name names: dict lookups, not an unpickling): a class redefined
- * since (a notebook cell run again, a module reloaded or imported anew) is
- * looked up anew, as torch's unpickling finds it. A class whose names are not
- * plain strings is looked up anew each time. */
+ * key -> (class, its module's name, its qualified name split at the dots). Pickle
+ * looks a class up by name at each load, and so does a hit here (sys.modules,
+ * then the attributes the qualified name names: dict lookups, not an
+ * unpickling): a class redefined since (a notebook cell run again, a module
+ * reloaded or imported anew) is looked up anew, as torch's unpickling finds it.
+ * The name is split once, when the class is cached: a hit costs one getattr per
+ * part. A class whose names are not plain strings is looked up anew each time. */
 static PyObject *
-class_now(PyObject *modname, PyObject *qualname)
+class_now(PyObject *modname, PyObject *parts)
 {
     PyObject *obj = PyImport_GetModule(modname);
-    if (obj == NULL)
-        return NULL;
-    PyObject *dot = PyUnicode_FromString(".");
-    PyObject *parts = dot ? PyUnicode_Split(qualname, dot, -1) : NULL;
-    if (parts == NULL)
-        goto fail;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(parts); i++) {
-        PyObject *next = PyObject_GetAttr(obj, PyList_GET_ITEM(parts, i));
-        Py_SETREF(obj, next);
-        if (obj == NULL)
-            goto fail;
-    }
-    Py_DECREF(parts);
-    Py_DECREF(dot);
+    for (Py_ssize_t i = 0; obj != NULL && i < PyTuple_GET_SIZE(parts); i++)
+        Py_SETREF(obj, PyObject_GetAttr(obj, PyTuple_GET_ITEM(parts, i)));
     return obj;
-fail:
-    Py_XDECREF(parts);
-    Py_XDECREF(dot);
-    Py_XDECREF(obj);
-    return NULL;
 }
 
 /* A lookup failed with an ordinary error (the name is gone): cleared, so that the
@@ -1370,10 +1354,21 @@ cache_class(PyObject *cache, PyObject *key, PyObject *cls)
     }
     int plain = modname && qualname && PyUnicode_CheckExact(modname) &&
                 PyUnicode_CheckExact(qualname);
-    PyObject *entry = plain ? PyTuple_Pack(3, cls, modname, qualname)
-                            : PyTuple_Pack(3, cls, Py_None, Py_None);
+    PyObject *parts = NULL, *entry = NULL;
+    if (plain) {
+        PyObject *dot = PyUnicode_FromString(".");
+        PyObject *list = dot ? PyUnicode_Split(qualname, dot, -1) : NULL;
+        parts = list ? PyList_AsTuple(list) : NULL;
+        Py_XDECREF(list);
+        Py_XDECREF(dot);
+        if (parts != NULL)
+            entry = PyTuple_Pack(3, cls, modname, parts);
+    } else {
+        entry = PyTuple_Pack(3, cls, Py_None, Py_None);
+    }
     int rc = entry == NULL ? -1 : PyDict_SetItem(cache, key, entry);
     Py_XDECREF(entry);
+    Py_XDECREF(parts);
     Py_XDECREF(modname);
     Py_XDECREF(qualname);
     return rc;
