@@ -86,10 +86,20 @@ def _drop(batch, *, collate_fn_map=None):
     return None
 
 
+# the batches a column can arrive as from the walk (a list of the samples, a
+# tuple or list of a transposed column) or from __getitems__
+_FILLED_CONTAINERS = (list, tuple, CollatedSamples)
+
+
 def _column_into_slot(torch_fn):
     """Numbers and same-shape arrays: filled by C when the result is certain, else
     torch's own function for that type (its result, its errors)."""
     def collate_column(batch, *, collate_fn_map=None):
+        if type(batch) not in _FILLED_CONTAINERS:
+            # torch.tensor() is picky about what holds the numbers (it refuses a
+            # bytes object, which default_collate would otherwise stack as ints):
+            # anything but a list or tuple gets torch's function, result or error
+            return torch_fn(batch, collate_fn_map=collate_fn_map)
         kind = _core.column_kind(batch)
         if kind == _COL_ARRAY_READONLY:
             if not _readonly_warned:

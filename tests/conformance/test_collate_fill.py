@@ -124,6 +124,30 @@ def test_unfillable_column_raises_torchs_error(kind):
     assert_torchs_error(cd.BadColumnDataset(kind), batch_size=8, **WORKERS)
 
 
+class _OneBatchOfBytes(torch.utils.data.Dataset):
+    """A dataset whose item is a whole batch held in a bytes-like object."""
+    def __init__(self, kind):
+        self.kind = kind
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        return self.kind(b"\x01\x02\x03")
+
+
+def test_a_bytes_batch_raises_torchs_error():
+    # default_collate of a bytes object: torch.tensor() refuses bytes; the C fill
+    # stacked its ints
+    assert_torchs_error(_OneBatchOfBytes(bytes), batch_size=None,
+                        collate_fn=default_collate, **WORKERS)
+
+
+def test_a_bytearray_batch_same_as_torch():
+    both(_OneBatchOfBytes(bytearray), batch_size=None, collate_fn=default_collate,
+         **WORKERS)
+
+
 def test_column_kind_and_fill_column_refuse_mismatches():
     assert _core.column_kind([1, 2, 3]) == 1
     assert _core.column_kind([1.0, 2.0]) == 2
