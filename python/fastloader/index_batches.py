@@ -65,6 +65,11 @@ def _ranges(index_sampler, sampler) -> Iterator[range]:
         # torch 2.13 reads batch_size once here (a zip over one iterator; of none,
         # an empty epoch, when it is 0 or less)
         size = index_sampler.batch_size
+        if type(size) is not int:
+            # set to something else after construction (None, a float, a bool):
+            # torch's own arithmetic on it, with its result or its error
+            yield from (list(batch) for batch in zip(*[iter(range(n))] * size))
+            return
         if size < 1:
             return
         for start in range(0, n - n % size, size):
@@ -74,10 +79,15 @@ def _ranges(index_sampler, sampler) -> Iterator[range]:
     start = 0
     while start < n:
         size = index_sampler.batch_size
-        if size < 1:
-            # torch's islice of 0 items ends the epoch; of fewer, islice's own error
-            itertools.islice((), size)
-            return
+        if type(size) is not int or size < 1:
+            # torch's islice of what is left, with its result or its error (of 0
+            # items: the end of the epoch; None: the rest in one batch)
+            batch = [*itertools.islice(iter(range(start, n)), size)]
+            if not batch:
+                return
+            yield batch
+            start += len(batch)
+            continue
         yield range(start, min(start + size, n))
         start += size
 
