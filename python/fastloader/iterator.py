@@ -108,6 +108,9 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
                                                         loader.persistent_workers)
         # from torch's line, so that its pin_memory warnings point where torch's do
         torch_sites.base_iter_init(super().__init__, loader)
+        # torch names the profiler event after its iterator's class: the name a
+        # trace, or a filter on it, expects (not this class's name)
+        self._profile_name = "enumerate(DataLoader)#_MultiProcessingDataLoaderIter.__next__"
         self._session = session
         self._loader_generator = loader.generator
         self._prefetch_factor = loader.prefetch_factor

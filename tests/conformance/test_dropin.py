@@ -754,3 +754,21 @@ def _default_filters():
         env=dict(os.environ, PYTHONWARNINGS=""))
     import builtins
     return [(a, m, getattr(builtins, c), mod, ln) for a, m, c, mod, ln in json.loads(out.stdout)]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_the_profiler_records_the_event_names_torchs_loader_records(num_workers):
+    """A trace (or a filter on it) finds the DataLoader's next() under torch's names."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def names(cls):
+        loader = cls(list(range(6)), batch_size=2, num_workers=num_workers,
+                     **({"multiprocessing_context": "fork"} if num_workers else {}))
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            batches = [b.tolist() for b in loader]
+        assert batches == [[0, 1], [2, 3], [4, 5]]
+        return sorted({e.name for e in prof.events() if "DataLoader" in e.name})
+
+    theirs = names(TorchDataLoader)
+    assert theirs, "torch's loader recorded no event"
+    assert names(DataLoader) == theirs
