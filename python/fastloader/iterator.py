@@ -27,6 +27,7 @@ from . import stats as _stats
 from . import torch_sites
 from .distributed import rank_info
 from .index_batches import as_list, sequential_batches
+from .index_pickle import dumps_indices
 from .main_spin import MainSpin
 from .metadata_warning import warn_if_heavy_metadata
 from .pin_ahead import PinAhead, ask_device_before_accelerator
@@ -566,7 +567,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
                 if self._sends_ranges:
                     index = as_list(index)
                 try:
-                    pickled = pickle.dumps(index, protocol=pickle.HIGHEST_PROTOCOL)
+                    pickled = dumps_indices(index)
                 except Exception:
                     # indices that cannot be pickled (an object holding a lambda):
                     # torch's queue thread prints the error and its loader waits for

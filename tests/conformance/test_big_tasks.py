@@ -1,8 +1,6 @@
 """Batches of indices bigger than what the task ring was sized for (a batch sampler
 whose batch size the loader cannot know, or one that varies) reach the workers, as
 with torch; one too big for any ring raises in its own turn and loses nothing."""
-import os
-
 import pytest
 import torch
 from torch.utils.data import BatchSampler, SequentialSampler
@@ -87,3 +85,61 @@ def test_a_task_larger_than_any_ring_is_that_batchs_error_and_loses_nothing():
     assert "does not fit the task ring" in got[3], got[3]
     assert "in the main process, sending batch 3's task" in got[3], got[3]
     assert got[:3] + got[4:] == [[sum(b)] for b in sampler[:3] + sampler[4:]]
+
+
+class _WhatItGets(torch.utils.data.Dataset):
+    """Each sample: what the dataset was given as its index (a tensor), as data."""
+    def __len__(self):
+        return 1 << 20
+
+    def __getitem__(self, i):
+        assert type(i) is torch.Tensor, type(i)
+        return {"value": i.clone(), "dtype": str(i.dtype), "shape": tuple(i.shape),
+                "stride": i.stride()}
+
+
+@pytest.mark.parametrize("how", ["subset_sampler", "tensor_sampler", "split_batches"])
+def test_indices_that_are_views_of_one_big_index_tensor_arrive_as_with_torch(how):
+    """A sampler yielding the elements of a 100k-index tensor (or a batch sampler
+    yielding slices of a 1M-element permutation): plain pickle wrote the whole
+    storage for each index, 51 MB per batch of 64, which the task ring refused
+    ("does not fit the task ring"), and each batch cost the main process ms."""
+    def loader(cls):
+        torch.manual_seed(0)
+        if how == "subset_sampler":
+            kwargs = dict(sampler=torch.utils.data.SubsetRandomSampler(
+                torch.arange(0, 200_000, 2)), batch_size=64)
+        elif how == "tensor_sampler":
+            kwargs = dict(sampler=iter(torch.randperm(100_000)), batch_size=64)
+        else:
+            kwargs = dict(batch_sampler=torch.randperm(1 << 20).split(64)[:20])
+        return cls(_WhatItGets(), num_workers=2, multiprocessing_context="fork",
+                   timeout=120, **kwargs)
+
+    def first_batches(cls):
+        it = iter(loader(cls))
+        return [next(it) for _ in range(5)]
+
+    theirs, ours = first_batches(TorchDataLoader), first_batches(DataLoader)
+    for a, b in zip(theirs, ours):
+        assert torch.equal(a["value"], b["value"])
+        assert (a["dtype"], a["shape"], a["stride"]) == (b["dtype"], b["shape"], b["stride"])
+
+
+def test_tensor_indices_keep_dtype_shape_strides_and_bytes():
+    """Any dtype and layout a sampler may yield reaches the dataset as torch's
+    transport delivers it, but for its storage offset and size."""
+    import pickle
+
+    from fastloader.index_pickle import dumps_indices
+
+    base = torch.arange(60, dtype=torch.float64).view(6, 10)
+    cases = [base[2, 3], base[1:, ::3], base.t(), base[:0], torch.arange(6).expand(4, 6),
+             torch.tensor([1.5, -0.0], dtype=torch.bfloat16), torch.tensor(7, dtype=torch.uint8)]
+    got = pickle.loads(dumps_indices(cases + [cases[1]]))
+    assert got[-1] is got[1]   # one object pickled twice is one object, as with pickle
+    for t, g in zip(cases, got):
+        assert (g.dtype, g.shape, g.stride()) == (t.dtype, t.shape, t.stride())
+        assert torch.equal(g, t)
+    # only the bytes an index reaches travel: one float64 of the 60
+    assert got[0].untyped_storage().nbytes() == 8
