@@ -36,11 +36,16 @@ def _load_numpy_random() -> None:
     global _numpy_random_loaded
     if _numpy_random_loaded:
         return
-    _numpy_random_loaded = True
     try:
+        # Another thread starting its own loader's workers may be inside this
+        # import: then this waits for its module lock. Marked loaded only once
+        # the import is done: a thread that forked while another held that lock
+        # gave workers a lock nobody would release, and their seeding's import
+        # of numpy.random waited on it for ever.
         import numpy.random  # noqa: F401
     except ImportError:   # numpy is optional for torch: workers then skip it too
         pass
+    _numpy_random_loaded = True
 
 
 def _warm_linecache() -> None:
