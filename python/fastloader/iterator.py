@@ -620,6 +620,15 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             # the batch arrived but could not be rebuilt here (see
             # fl_mainchan_take): its error is raised, unchanged, in its turn
             data = _Unrebuilt(data)
+        elif kind == RES_ERROR and data is None:
+            # a bare notice: the worker had no shared memory to send its error in
+            # (worker.py, on_fetch)
+            data = _Unrebuilt(RuntimeError(
+                f"fastloader: DataLoader worker process {wid} could not send batch {seq}'s "
+                f"result, nor the error it got: no shared memory could be created for "
+                f"either (/dev/shm full, a memory or file-size limit, or no file "
+                f"descriptor left in the worker). The worker printed the error and its "
+                f"traceback to its stderr."))
         elif kind == RES_ERROR and not isinstance(data, ExceptionWrapper):
             data = ExceptionWrapper(where=f"in DataLoader worker process {wid}")
         return wid, seq, (data, where, snap)

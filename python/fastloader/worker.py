@@ -6,6 +6,7 @@ import gc
 import os
 import pickle
 import signal
+import traceback
 
 import torch
 from torch.utils.data import _DatasetKind
@@ -385,15 +386,27 @@ class _Loop:
             chan.publish(rkind, seq, data)
         except Exception as exc:
             unpicklable = isinstance(exc, (pickle.PicklingError, TypeError, AttributeError))
-            if unpicklable and rkind == RES_ERROR:
-                chan.publish(RES_ERROR, seq, _sendable_error(data, exc))
-            elif unpicklable and not failed_in_collate(exc):
-                chan.publish(RES_ERROR, seq, _unencodable(wid, seq, index, data, exc))
-            else:
-                # e.g. stacking into the slot failed (torch's collate error), or no
-                # memory for a segment: the main process re-raises it with this
-                # worker's traceback
-                chan.publish(RES_ERROR, seq, _wrap_exception(wid, seq, index))
+            try:
+                if unpicklable and rkind == RES_ERROR:
+                    chan.publish(RES_ERROR, seq, _sendable_error(data, exc))
+                elif unpicklable and not failed_in_collate(exc):
+                    chan.publish(RES_ERROR, seq, _unencodable(wid, seq, index, data, exc))
+                else:
+                    # e.g. stacking into the slot failed (torch's collate error), or
+                    # no memory for a segment: the main process re-raises it with
+                    # this worker's traceback
+                    chan.publish(RES_ERROR, seq, _wrap_exception(wid, seq, index))
+            except Exception:
+                # The error needs shared memory too, and none could be made (the
+                # first batch, before any ring arena: /dev/shm full, a memory or
+                # file-size limit, no fd left). The traceback goes to stderr, and a
+                # bare error notice (no payload) makes the batch raise in its turn
+                # (iterator._accept); the worker lives on for the next task.
+                try:
+                    traceback.print_exc()
+                except Exception:   # stderr a file under the same file-size limit
+                    pass
+                chan.publish(RES_ERROR, seq)
         del data
 
 

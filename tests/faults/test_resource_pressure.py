@@ -20,7 +20,7 @@ from tests.support import reliability_datasets as rd
 from tests.support.fault_helpers import (
     QUIET_WORKER_COUNT_WARNING, STRATEGIES, _assert_no_shm_of, _my_shm, _reaped_later,
 )
-from tests.support.helpers import deadline, is_gone
+from tests.support.helpers import deadline, is_gone, run_python
 
 pytestmark = [QUIET_WORKER_COUNT_WARNING]
 
@@ -121,6 +121,55 @@ def test_segment_creation_failure_is_memory_error_naming_size(strategy):
     del it, loader, info, error
     _reaped_later(pids)
     _assert_no_shm_of()
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_worker_that_cannot_create_even_a_segment_for_its_error_says_so_per_batch(
+        strategy):
+    """No segment can be created at all (RLIMIT_FSIZE 0): the error the worker got
+    needs one too. It used to escape and kill the worker, and the main process
+    said only "exited unexpectedly with exit code 1". Now each batch raises in its
+    turn, saying why, the worker lives on, and its stderr has the cause."""
+    assert not _my_shm()
+    loader = DataLoader(rd.SmallDataset(n=8), batch_size=4, num_workers=1,
+                        worker_init_fn=rd.no_files_init, multiprocessing_context="fork",
+                        sharing_strategy=strategy)
+    errors = []
+    with deadline(60):
+        it = iter(loader)
+        pids = list(it.worker_pids)
+        for _ in range(2):
+            with pytest.raises(RuntimeError) as info:
+                next(it)
+            errors.append(info.value)
+        alive = [not is_gone(p) for p in pids]
+        with pytest.raises(StopIteration):
+            next(it)
+    for seq, error in enumerate(errors):
+        assert not isinstance(error, WorkerError), error
+        assert (f"DataLoader worker process 0 could not send batch {seq}'s result, nor the "
+                f"error it got") in str(error), error
+    assert alive == [True], "the worker died instead of reporting"
+    del it, loader, info, errors
+    _reaped_later(pids)
+    _assert_no_shm_of()
+
+
+def test_the_error_no_segment_could_carry_is_on_the_workers_stderr():
+    """(stderr a pipe: to a file, the same limit refuses the traceback too)"""
+    run = run_python(textwrap.dedent("""
+        import fastloader
+        from tests.support import reliability_datasets as rd
+        loader = fastloader.DataLoader(rd.SmallDataset(n=4), batch_size=4, num_workers=1,
+                                       worker_init_fn=rd.no_files_init,
+                                       multiprocessing_context="fork")
+        try:
+            next(iter(loader))
+        except RuntimeError as error:
+            print(type(error).__name__, "could not send batch 0" in str(error))
+    """), timeout=120)
+    assert run.stdout.split() == ["RuntimeError", "True"], (run.stdout, run.stderr)
+    assert "MemoryError: fastloader: creating a" in run.stderr, run.stderr
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

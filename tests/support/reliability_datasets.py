@@ -204,6 +204,12 @@ def limit_file_size_init(worker_id):
     resource.setrlimit(resource.RLIMIT_FSIZE, (FSIZE_LIMIT, resource.RLIM_INFINITY))
 
 
+def no_files_init(worker_id):
+    """RLIMIT_FSIZE at 0: the worker can create no shared segment at all, not even
+    one for an error."""
+    resource.setrlimit(resource.RLIMIT_FSIZE, (0, resource.RLIM_INFINITY))
+
+
 def _sleep_at_exit(seconds, marker=None):
     time.sleep(seconds)
     if marker is not None:   # the exit's work got done
