@@ -444,6 +444,10 @@ class WorkerPool:
         head = f"DataLoader worker {worker_id} (pid {self._pids[worker_id]}){rank_info()}"
         if code is None:
             return f"{head} exited unexpectedly"
+        if proc.status_lost:
+            return (f"{head} exited unexpectedly; how is unknown: it was reaped before "
+                    f"this process could read its exit status (SIGCHLD is ignored, or an "
+                    f"os.wait() elsewhere took it)")
         if code < 0:
             try:
                 name = signal.Signals(-code).name

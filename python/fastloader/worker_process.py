@@ -44,6 +44,8 @@ class WorkerProcess(BaseProcess):
         self._exitcode: Optional[int] = None
         self._closed = False
         self._lock = threading.Lock()
+        # reaped by someone else (see _poll_locked): its exit code 0 is a stand-in
+        self.status_lost = False
 
     # -- identity (kept after close) --------------------------------------------------
     @property
@@ -164,6 +166,7 @@ class WorkerProcess(BaseProcess):
             pid, status = os.waitpid(self._pid, os.WNOHANG)
         except ChildProcessError:
             popen.returncode = 0   # reaped elsewhere: the status is lost
+            self.status_lost = True
             return 0
         if pid == self._pid:   # it exited just now: it is reaped here, keep its status
             popen.returncode = os.waitstatus_to_exitcode(status)

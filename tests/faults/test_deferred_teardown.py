@@ -269,6 +269,38 @@ def test_workers_reaped_by_someone_else_still_let_the_reaper_finish(subprocess_e
     assert result.stdout.strip() == "OK", (result.stdout, result.stderr)
 
 
+def test_a_worker_death_whose_status_someone_else_took_is_not_called_exit_code_0(
+        subprocess_env):
+    """SIGCHLD ignored: the kernel reaps a worker that SIGKILLed itself, and its
+    status is lost. The error said "exited unexpectedly with exit code 0", a clean
+    exit that never happened."""
+    result = run_script("""
+        import os, signal
+        import torch
+        from fastloader import DataLoader, WorkerError
+        signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+
+        class DiesAt5(torch.utils.data.Dataset):
+            def __len__(self):
+                return 16
+
+            def __getitem__(self, i):
+                if i == 5:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return i
+
+        try:
+            for _ in DataLoader(DiesAt5(), batch_size=2, num_workers=2,
+                                multiprocessing_context="fork", timeout=60):
+                pass
+        except WorkerError as error:
+            print(error, flush=True)
+    """, subprocess_env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "exited unexpectedly; how is unknown" in result.stdout, (result.stdout, result.stderr)
+    assert "exit code 0" not in result.stdout, result.stdout
+
+
 def test_the_reaper_does_not_spin_on_a_job_whose_fds_stay_ready():
     """A job whose fd is ready but whose step cannot finish yet (a join elsewhere
     holds one of its processes) is looked at again after a pause, not in a loop
