@@ -320,6 +320,19 @@ mainchan_close(MainChannelObject *c, PyObject *Py_UNUSED(ignored))
     Py_RETURN_NONE;
 }
 
+PyObject *
+fl_mainchan_unusable(const MainChannelObject *c)
+{
+    if (!c->closed && c->owner_pid != fl_self_pid())
+        return PyErr_Format(PyExc_ValueError,
+                            "fastloader: this DataLoader iterator's workers serve process %d, "
+                            "which this process was forked from: a forked child cannot take "
+                            "their batches (call iter(loader) in the child: it starts workers "
+                            "of its own)",
+                            (int)c->owner_pid);
+    return PyErr_Format(PyExc_ValueError, "fastloader: channel is closed");
+}
+
 static PyObject *
 mainchan_handle(MainChannelObject *c, PyObject *Py_UNUSED(ignored))
 {
@@ -443,7 +456,7 @@ mainchan_put_index(MainChannelObject *c, PyObject *const *args, Py_ssize_t nargs
     if (seq == -1 && PyErr_Occurred())
         return NULL;
     if (c->closed || c->owner_pid != fl_self_pid())
-        return PyErr_Format(PyExc_ValueError, "fastloader: channel is closed");
+        return fl_mainchan_unusable(c);
     if (PyLong_CheckExact(idx)) {
         long long v;
         if (!as_int64(idx, &v))
@@ -517,7 +530,7 @@ queue_task(MainChannelObject *c, PyObject *args, int may_wait)
         return -1;
     int rc = -1;
     if (c->closed || c->owner_pid != fl_self_pid()) {
-        PyErr_Format(PyExc_ValueError, "fastloader: channel is closed");
+        (void)fl_mainchan_unusable(c);
         goto done;
     }
     if ((uint64_t)buf.len > fl_task_max_payload(&c->ring)) {

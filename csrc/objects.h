@@ -132,4 +132,7 @@ PyObject *fl_owner_new(fl_state *st, SegmentObject *seg, MainChannelObject *chan
                        uint32_t slot);
 /* MainChannel: turn one result descriptor into recv()'s tuple (recv.c). */
 PyObject *fl_mainchan_take(fl_state *st, MainChannelObject *c, const fl_result *r);
+/* Raise (ValueError) for a channel that cannot be used here: closed, or inherited
+ * by a forked child (its worker serves the parent). Returns NULL. */
+PyObject *fl_mainchan_unusable(const MainChannelObject *c);
 #endif

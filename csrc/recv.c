@@ -134,7 +134,7 @@ fl_recv(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (Py_TYPE(o) != st->MainChannelType)
             return PyErr_Format(PyExc_TypeError, "recv: expected MainChannel objects");
         if (((MainChannelObject *)o)->closed || ((MainChannelObject *)o)->owner_pid != fl_self_pid())
-            return PyErr_Format(PyExc_ValueError, "fastloader: channel is closed");
+            return fl_mainchan_unusable((MainChannelObject *)o);
     }
     if (prefer < 0 || prefer >= n)
         prefer = 0;

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import inspect
+import os
 import warnings
 from typing import TypeVar
 
@@ -76,10 +77,13 @@ class DataLoader(_TorchDataLoader[T_co]):
 
     def __iter__(self):
         it = self.__dict__.get("_iterator")
-        if it is not None and getattr(it, "_shutdown", False):
+        pool = getattr(it, "_pool", None)
+        if it is not None and (getattr(it, "_shutdown", False) or (
+                pool is not None and pool.owner_pid != os.getpid())):
             # persistent workers stopped by an error or Ctrl-C (or by a framework's
             # _shutdown_workers()): the next epoch starts new ones, where torch's
-            # iterator would fail on its dead workers
+            # iterator would fail on its dead workers. So does a forked child's
+            # epoch: the workers it inherited the iterator of are its parent's.
             object.__setattr__(self, "_iterator", None)
         return super().__iter__()
 

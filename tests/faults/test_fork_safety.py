@@ -4,7 +4,9 @@ intra-op pool, a user thread holding a lock) at the fork.
 Every wait runs under `deadline` (SIGALRM) or a subprocess timeout, and
 faulthandler_timeout (pyproject) dumps stacks if all else fails.
 """
+import ast
 import multiprocessing
+import os
 import subprocess
 import sys
 import threading
@@ -91,7 +93,9 @@ def test_a_process_forked_from_the_main_process_cannot_drive_its_loader(strategy
         outcome = parent.recv()
         proc.join(30)
         assert proc.exitcode == 0
-        assert outcome == ["fastloader: channel is closed"] * 2, outcome
+        refusal = (f"fastloader: this DataLoader iterator's workers serve process "
+                   f"{os.getpid()}, which this process was forked from")
+        assert len(outcome) == 2 and all(o.startswith(refusal) for o in outcome), outcome
         got += [clone_batch(b) for b in it]
     assert_same_batch_lists(expected, got, strategy)
 
@@ -123,6 +127,52 @@ def test_a_forked_process_that_exits_leaves_the_loaders_workers_alone(ctx):
     run = subprocess.run([sys.executable, "-c", _FORK_THEN_EXIT, ctx], capture_output=True,
                          text=True, timeout=180)
     assert (run.returncode, run.stdout.strip()) == (0, "ok"), run.stderr[-3000:]
+
+
+_PERSISTENT_IN_A_FORKED_CHILD = """
+import os, sys
+from fastloader import DataLoader
+
+loader = DataLoader(list(range(16)), batch_size=4, num_workers=2, persistent_workers=True,
+                    multiprocessing_context="fork")
+it = iter(loader)
+first = next(it).tolist()
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    try:
+        next(it)
+        said = "next() went through"
+    except ValueError as error:
+        said = str(error)
+    try:   # an epoch of its own, on workers of its own
+        said += "|" + repr([b.tolist() for b in loader])
+    except BaseException as error:
+        said += "|" + repr(error)
+    os.write(w, said.encode())
+    os._exit(0)
+os.close(w)
+os.waitpid(pid, 0)
+said = os.read(r, 1 << 16).decode()
+rest = [b.tolist() for b in it]
+print(repr([said, first, rest, [b.tolist() for b in loader]]))
+"""
+
+
+def test_a_forked_child_iterates_a_persistent_loader_on_workers_of_its_own():
+    """A persistent loader's iter() in a process forked from the main process: it
+    reused the parent's iterator, whose channels the child may not use (ValueError:
+    channel is closed). It now starts workers of its own; next() on the parent's
+    iterator says why it cannot; the parent's epochs go on unchanged."""
+    run = subprocess.run([sys.executable, "-c", _PERSISTENT_IN_A_FORKED_CHILD],
+                         capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr[-3000:]
+    said, first, rest, again = ast.literal_eval(run.stdout.strip())
+    refused, child_epoch = said.split("|")
+    assert "a forked child cannot take their batches" in refused, refused
+    batches = [list(range(i, i + 4)) for i in range(0, 16, 4)]
+    assert child_epoch == repr(batches)
+    assert [first] + rest == batches and again == batches
 
 
 def test_multiprocessing_active_children_does_not_reap_the_workers():
