@@ -625,10 +625,10 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             # (worker.py, on_fetch)
             data = _Unrebuilt(RuntimeError(
                 f"fastloader: DataLoader worker process {wid} could not send batch {seq}'s "
-                f"result, nor the error it got: no shared memory could be created for "
-                f"either (/dev/shm full, a memory or file-size limit, or no file "
-                f"descriptor left in the worker). The worker printed the error and its "
-                f"traceback to its stderr."))
+                f"result, nor the error it got (most often: no shared memory could be "
+                f"created for either: /dev/shm full, a memory or file-size limit, or no "
+                f"file descriptor left in the worker). The worker printed the error and "
+                f"its traceback to its stderr."))
         elif kind == RES_ERROR and not isinstance(data, ExceptionWrapper):
             data = ExceptionWrapper(where=f"in DataLoader worker process {wid}")
         return wid, seq, (data, where, snap)
