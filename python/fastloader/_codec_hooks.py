@@ -144,8 +144,11 @@ def to_tensor(arr, code, requires_grad, offset=None, size=None, stride=None):
         elif arr.size:
             storage = torch.from_numpy(arr).untyped_storage()
         else:
-            storage = torch.UntypedStorage(0)   # no bytes: see below
-        t = torch.empty(0, dtype=DTYPES[code]).set_(storage, offset, size, stride)
+            storage = torch.UntypedStorage(0, device="cpu")   # no bytes: see below
+        # on the CPU whatever torch.set_default_device() says: the batch's bytes are
+        # here (a tensor made on another default device refuses a CPU storage)
+        t = torch.empty(0, dtype=DTYPES[code], device="cpu").set_(storage, offset, size,
+                                                                 stride)
         if requires_grad:
             t.requires_grad_(True)
         return t
@@ -154,7 +157,7 @@ def to_tensor(arr, code, requires_grad, offset=None, size=None, stride=None):
         # one (plain, so resize_ and out= can grow it), not a view of the slot
         # (NumPy's memory, which cannot). torch's contiguous strides, not NumPy's
         # (which differ by version here): such a tensor is a batch torch.stack made.
-        t = torch.empty(arr.shape, dtype=DTYPES[code])
+        t = torch.empty(arr.shape, dtype=DTYPES[code], device="cpu")
     elif _NEEDS_VIEW[code]:
         if arr.dtype.kind == "u":   # from_numpy may not know unsigned wide ints
             arr = arr.view(np.dtype(f"i{arr.dtype.itemsize}"))

@@ -75,21 +75,24 @@ def _ranges(index_sampler, sampler) -> Iterator[range]:
         for start in range(0, n - n % size, size):
             yield range(start, start + size)
         return
-    # without drop_last torch reads batch_size again for every batch
+    # without drop_last torch reads batch_size again for every batch, and once
+    # more when the sampler has run out (its islice of nothing then ends the epoch)
     start = 0
-    while start < n:
+    while True:
         size = index_sampler.batch_size
-        if type(size) is not int or size < 1:
-            # torch's islice of what is left, with its result or its error (of 0
-            # items: the end of the epoch; None: the rest in one batch)
-            batch = [*itertools.islice(iter(range(start, n)), size)]
-            if not batch:
+        if type(size) is int and size >= 1:
+            if start >= n:
                 return
-            yield batch
-            start += len(batch)
+            yield range(start, min(start + size, n))
+            start += size
             continue
-        yield range(start, min(start + size, n))
-        start += size
+        # torch's islice of what is left, with its result or its error (of 0 items:
+        # the end of the epoch; None: the rest in one batch; a float: ValueError)
+        batch = [*itertools.islice(iter(range(start, n)), size)]
+        if not batch:
+            return
+        yield batch
+        start += len(batch)
 
 
 def as_list(index):

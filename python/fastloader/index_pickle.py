@@ -10,10 +10,12 @@ index queue moves that storage into shared memory once and sends a handle.
 
 Here a tensor is pickled as the bytes of the span of its storage that its
 elements use (a NumPy array of them, which pickles in a few us), and rebuilt in
-the worker as a view of them with the same dtype, shape, strides and bytes. Only
-its ``storage_offset()`` and storage size differ from torch's (as for a small view
-of a huge storage in a batch: README, "What differs"). Every other object is
-pickled as pickle pickles it."""
+the worker as a view of them with the same dtype, shape, strides and bytes. What
+differs from torch's transport is the storage: each index has its own, holding only
+the bytes it reaches (its ``storage_offset()`` and storage size differ, as for a
+small view of a huge storage in a batch: README, "What differs"), not shared with
+the other indices nor ``is_shared()``. Every other object is pickled as pickle
+pickles it."""
 from __future__ import annotations
 
 import copyreg
@@ -21,6 +23,8 @@ import io
 import pickle
 
 import torch
+
+from ._codec_hooks import exportable
 
 
 def rebuild_view(span, dtype, size, stride):
@@ -35,8 +39,9 @@ _HAS_NAMES = getattr(torch.Tensor, "has_names", None)
 def _span_of(t):
     """The bytes of t's storage that t's elements reach, as a 1-D uint8 tensor, or
     None when t is not an ordinary CPU tensor."""
-    if (t.layout is not torch.strided or t.device.type != "cpu" or t.requires_grad
-            or t.is_quantized or t.is_conj() or t.is_neg() or t.__dict__
+    # exportable(): the tensors whose bytes the ring carries (plain, strided, not
+    # nested, on the CPU); these others keep pickle's own reduction
+    if (not exportable(t) or t.requires_grad or t.is_conj() or t.is_neg() or t.__dict__
             or (_HAS_NAMES is not None and t.has_names())):
         return None
     if t.numel() == 0:
@@ -46,8 +51,9 @@ def _span_of(t):
         count = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
     size = t.element_size()
     # made as bytes: a tensor of t's own dtype may warn (complex32 is "experimental")
-    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage(), first * size,
-                                                 (count * size,), (1,))
+    # (on the CPU, as t is, whatever torch.set_default_device() says)
+    return torch.empty(0, dtype=torch.uint8, device="cpu").set_(
+        t.untyped_storage(), first * size, (count * size,), (1,))
 
 
 def _reduce_tensor(t):

@@ -18,7 +18,8 @@ import pickle
 import torch
 from torch._utils import ExceptionWrapper
 from torch.utils.data import IterDataPipe, MapDataPipe, _DatasetKind
-from torch.utils.data.dataloader import _BaseDataLoaderIter, _sharding_worker_init_fn
+from torch.utils.data.dataloader import (_BaseDataLoaderIter, _MultiProcessingDataLoaderIter,
+                                         _sharding_worker_init_fn)
 
 from . import _core
 from . import resume as _resume
@@ -111,7 +112,8 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         torch_sites.base_iter_init(super().__init__, loader)
         # torch names the profiler event after its iterator's class: the name a
         # trace, or a filter on it, expects (not this class's name)
-        self._profile_name = "enumerate(DataLoader)#_MultiProcessingDataLoaderIter.__next__"
+        self._profile_name = (f"enumerate(DataLoader)#"
+                              f"{_MultiProcessingDataLoaderIter.__name__}.__next__")
         self._session = session
         self._loader_generator = loader.generator
         self._prefetch_factor = loader.prefetch_factor

@@ -48,7 +48,8 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         self._replay = self._put_iterable_back(loader.dataset, self._resume_state)
         super().__init__(loader)
         # the profiler event torch's iterator records (named after its class)
-        self._profile_name = "enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__"
+        self._profile_name = (f"enumerate(DataLoader)#"
+                              f"{_SingleProcessDataLoaderIter.__name__}.__next__")
         self._start_epoch()
 
     def _put_iterable_back(self, dataset, state) -> bool:

@@ -6,6 +6,7 @@ import gc
 import os
 import pickle
 import signal
+import sys
 import traceback
 
 import torch
@@ -67,6 +68,16 @@ def _no_fetcher(worker_id, seq, index):
                                 "that error was raised for an earlier batch")
     except UnboundLocalError:
         return _wrap_exception(worker_id, seq, index)
+
+
+def _print_unsent(error) -> None:
+    """The dataset's error (an ExceptionWrapper) could not be sent: to stderr, so
+    that it is not lost."""
+    try:
+        print(f"fastloader: this error could not be sent to the main process:\n"
+              f"{getattr(error, 'exc_msg', error)}", file=sys.stderr, flush=True)
+    except Exception:   # stderr a file under the same file-size limit
+        pass
 
 
 def _short(index) -> str:
@@ -395,13 +406,18 @@ class _Loop:
                     # e.g. stacking into the slot failed (torch's collate error), or
                     # no memory for a segment: the main process re-raises it with
                     # this worker's traceback
+                    if rkind == RES_ERROR:   # what is sent in its place
+                        _print_unsent(data)
                     chan.publish(RES_ERROR, seq, _wrap_exception(wid, seq, index))
             except Exception:
                 # The error needs shared memory too, and none could be made (the
                 # first batch, before any ring arena: /dev/shm full, a memory or
-                # file-size limit, no fd left). The traceback goes to stderr, and a
-                # bare error notice (no payload) makes the batch raise in its turn
-                # (iterator._accept); the worker lives on for the next task.
+                # file-size limit, no fd left). The errors go to stderr (the
+                # dataset's own, if it raised, first), and a bare error notice (no
+                # payload) makes the batch raise in its turn (iterator._accept); the
+                # worker lives on for the next task.
+                if rkind == RES_ERROR and unpicklable:   # (else printed above)
+                    _print_unsent(data)
                 try:
                     traceback.print_exc()
                 except Exception:   # stderr a file under the same file-size limit

@@ -143,3 +143,22 @@ def test_tensor_indices_keep_dtype_shape_strides_and_bytes():
         assert torch.equal(g, t)
     # only the bytes an index reaches travel: one float64 of the 60
     assert got[0].untyped_storage().nbytes() == 8
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype")
+def test_nested_and_default_device_tensor_indices_pickle_as_before():
+    """A nested tensor keeps pickle's own reduction (it has no strides to span),
+    and a tensor index pickles under torch.set_default_device() (the span was
+    made on the default device, which refused a CPU storage)."""
+    import pickle
+
+    from fastloader.index_pickle import dumps_indices
+
+    nested = torch.nested.nested_tensor([torch.arange(2), torch.arange(3)])
+    got = pickle.loads(dumps_indices([nested]))[0]
+    assert got.is_nested and [t.tolist() for t in got.unbind()] == [[0, 1], [0, 1, 2]]
+    index = torch.arange(10)[3]
+    with torch.device("meta"):
+        blob = dumps_indices([index])
+    got = pickle.loads(blob)[0]
+    assert got.device.type == "cpu" and int(got) == 3 and got.untyped_storage().nbytes() == 8

@@ -319,13 +319,15 @@ def test_a_batch_sampler_whose_batch_size_is_not_a_number_loads_as_torchs(batch_
     conform(scenario)
 
 
+@pytest.mark.parametrize("n", [6, 0])
 @pytest.mark.parametrize("size", [0, -2, None, 2.0, True], ids=["0", "-2", "None", "2.0", "True"])
 @pytest.mark.parametrize("drop_last", [True, False])
-def test_batch_size_set_after_construction_batches_as_torchs(size, drop_last):
+def test_batch_size_set_after_construction_batches_as_torchs(size, drop_last, n):
     """0 or less ends the epoch; None (without drop_last: the rest in one batch),
-    a float, a bool: torch's result or error, not fastloader's range arithmetic's."""
+    a float, a bool: torch's result or error, not fastloader's range arithmetic's
+    (an empty dataset included: torch reads batch_size once the sampler is out)."""
     def scenario(DL):
-        loader = DL(list(range(6)), batch_size=2, drop_last=drop_last, num_workers=1,
+        loader = DL(list(range(n)), batch_size=2, drop_last=drop_last, num_workers=1,
                     multiprocessing_context="fork")
         loader.batch_sampler.batch_size = size
         return [b.tolist() for b in loader]

@@ -772,3 +772,27 @@ def test_the_profiler_records_the_event_names_torchs_loader_records(num_workers)
     theirs = names(TorchDataLoader)
     assert theirs, "torch's loader recorded no event"
     assert names(DataLoader) == theirs
+
+
+def _views_and_empty(samples):
+    base = torch.stack(samples)
+    return {"base": base, "view": base[1:], "empty": torch.zeros(0, dtype=torch.int64)}
+
+
+def test_batches_arrive_on_the_cpu_under_a_default_device():
+    """torch.set_default_device() (or `with torch.device(...)`) in the training
+    process: batches are rebuilt on the CPU as torch's are (a view in a batch
+    failed: its tensor was made on the default device, which refused the CPU
+    storage; an empty one was made there)."""
+    def batch(cls):
+        loader = cls([torch.tensor(i) for i in range(8)], batch_size=4, num_workers=1,
+                     multiprocessing_context="fork", collate_fn=_views_and_empty)
+        it = iter(loader)   # (torch's draws its base seed with .item(): not on meta)
+        with torch.device("meta"):
+            return next(it)
+
+    theirs, ours = batch(TorchDataLoader), batch(DataLoader)
+    for key in ("base", "view", "empty"):
+        assert ours[key].device == theirs[key].device == torch.device("cpu"), key
+        assert torch.equal(ours[key], theirs[key]), key
+    assert ours["view"].untyped_storage().data_ptr() == ours["base"].untyped_storage().data_ptr()

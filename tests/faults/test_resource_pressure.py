@@ -156,20 +156,28 @@ def test_a_worker_that_cannot_create_even_a_segment_for_its_error_says_so_per_ba
 
 
 def test_the_error_no_segment_could_carry_is_on_the_workers_stderr():
-    """(stderr a pipe: to a file, the same limit refuses the traceback too)"""
+    """The dataset's own error, and why it could not be sent, are on the worker's
+    stderr (a pipe here: to a file, the same limit refuses them too)."""
     run = run_python(textwrap.dedent("""
         import fastloader
         from tests.support import reliability_datasets as rd
-        loader = fastloader.DataLoader(rd.SmallDataset(n=4), batch_size=4, num_workers=1,
-                                       worker_init_fn=rd.no_files_init,
-                                       multiprocessing_context="fork")
-        try:
-            next(iter(loader))
-        except RuntimeError as error:
-            print(type(error).__name__, "could not send batch 0" in str(error))
+
+        class Raises(rd.SmallDataset):
+            def __getitem__(self, i):
+                raise ValueError("the dataset's own error")
+
+        for dataset in (rd.SmallDataset(n=4), Raises(n=4)):
+            loader = fastloader.DataLoader(dataset, batch_size=4, num_workers=1,
+                                           worker_init_fn=rd.no_files_init,
+                                           multiprocessing_context="fork")
+            try:
+                next(iter(loader))
+            except RuntimeError as error:
+                print(type(error).__name__, "could not send batch 0" in str(error))
     """), timeout=120)
-    assert run.stdout.split() == ["RuntimeError", "True"], (run.stdout, run.stderr)
-    assert "MemoryError: fastloader: creating a" in run.stderr, run.stderr
+    assert run.stdout.split() == ["RuntimeError", "True"] * 2, (run.stdout, run.stderr)
+    assert run.stderr.count("MemoryError: fastloader: creating a") >= 2, run.stderr
+    assert "ValueError: the dataset's own error" in run.stderr, run.stderr
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
