@@ -81,7 +81,10 @@ def _print_unsent(error) -> None:
 
 
 def _short(index) -> str:
-    text = repr(index)
+    try:
+        text = repr(index)
+    except Exception as exc:   # the error being reported is not this one
+        text = f"<a {type(index).__name__} whose repr() raised {type(exc).__name__}>"
     return text if len(text) <= 120 else text[:117] + "..."
 
 

@@ -796,3 +796,31 @@ def test_batches_arrive_on_the_cpu_under_a_default_device():
         assert ours[key].device == theirs[key].device == torch.device("cpu"), key
         assert torch.equal(ours[key], theirs[key]), key
     assert ours["view"].untyped_storage().data_ptr() == ours["base"].untyped_storage().data_ptr()
+
+
+class _NoRepr:
+    def __repr__(self):
+        raise RuntimeError("no repr")
+
+
+class _RaisesOnAnyIndex(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        raise KeyError("the dataset's error")
+
+
+def test_an_index_whose_repr_raises_still_gets_the_datasets_error():
+    """fastloader names the index in a worker's error; an index whose repr()
+    raised killed the worker ("exited unexpectedly") instead of the dataset's
+    error arriving, as with torch."""
+    errors = []
+    for cls in (TorchDataLoader, DataLoader):
+        loader = cls(_RaisesOnAnyIndex(), sampler=[_NoRepr()] * 4, batch_size=2, num_workers=1,
+                     multiprocessing_context="fork", timeout=60)
+        with pytest.raises(KeyError) as info:
+            next(iter(loader))
+        errors.append(str(info.value))
+    assert all("the dataset's error" in e for e in errors), errors
+    assert "whose repr() raised RuntimeError" in errors[1], errors[1]
