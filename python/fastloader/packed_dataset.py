@@ -207,7 +207,24 @@ class PackedImageFolder(Dataset):
         return find_classes(directory)
 
     def __len__(self) -> int:
-        return len(self.paths)
+        # torchvision's is len(self.samples): a samples list set or changed in place
+        # (filtered, appended to) is the dataset
+        samples = self._changed_samples()
+        return len(self.paths) if samples is None else len(samples)
+
+    def __copy__(self):
+        """As copy.copy of torchvision's dataset: the copy's attributes are the same
+        objects (the samples and targets lists too, built or set), and an attribute
+        set on the copy afterwards is the copy's alone (`val = copy.copy(ds);
+        val.samples = ds.samples[:n]` leaves ds as it was)."""
+        new = type(self).__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        new._assigned = dict(self._assigned)
+        built = _LISTS.get(id(self))
+        if built is not None:
+            _LISTS[id(new)] = built
+            weakref.finalize(new, _forget_lists, id(new))
+        return new
 
     def _index(self, index: int) -> int:
         n = len(self.paths)

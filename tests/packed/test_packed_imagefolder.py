@@ -257,3 +257,42 @@ def test_changed_samples_reach_the_workers(tmp_path, method):
     for names, labels in loader:
         got += list(zip(names, labels.tolist()))
     assert got == want
+
+
+def test_length_follows_a_samples_list_set_or_changed_as_torchvisions(tmp_path):
+    """torchvision's __len__ is len(self.samples): a filtered or extended samples
+    list is the dataset (here the length stayed the folder's: the filtered one
+    raised IndexError past its end, an appended sample was never visited)."""
+    from fastloader import DataLoader
+
+    root = make_tree(tmp_path)
+    ds = PackedImageFolder(root, allow_empty=True, loader=os.path.basename)
+    n = len(ds)
+    ds.samples = [s for s in ds.samples if s[1] == 0]
+    assert len(ds) == len(ds.samples) < n
+    got = [name for names, _ in DataLoader(ds, batch_size=4, num_workers=1,
+                                           multiprocessing_context="fork") for name in names]
+    assert got == [os.path.basename(p) for p, _ in ds.samples]
+    ds.samples.append(ds.samples[0])
+    assert len(ds) == len(ds.samples) and ds[len(ds) - 1] == ds[0]
+    fresh = PackedImageFolder(root, allow_empty=True)
+    fresh.samples.pop()
+    assert len(fresh) == n - 1
+
+
+def test_copy_shares_the_lists_and_keeps_its_own_attributes_as_torchvisions(tmp_path):
+    """copy.copy(ds): the same lists at first (a change in place shows in both, as
+    torchvision's shared list does); one set on the copy is the copy's alone (it
+    was set on the original too)."""
+    import copy
+
+    root = make_tree(tmp_path)
+    ds = PackedImageFolder(root, allow_empty=True)
+    n = len(ds)
+    val = copy.copy(ds)
+    val.samples = ds.samples[:2]
+    assert (len(val), len(ds)) == (2, n) and len(ds.samples) == n
+    other = copy.copy(ds)
+    assert other.samples is ds.samples
+    other.samples.pop()
+    assert len(ds) == len(other) == n - 1
