@@ -386,8 +386,11 @@ class _PackedBase(_core.PackedView):
         except ImportError:   # pragma: no cover - numpy is a dependency
             np = None
         if np is not None and not isinstance(items, np.ndarray) and \
-                callable(getattr(items, "to_numpy", None)):
-            items = items.to_numpy()   # a pandas Series / Index
+                callable(getattr(items, "to_numpy", None)) and cls._KIND == _core.PACKED_STR:
+            # a pandas Series / Index of str: as its NumPy array, at C speed. Records
+            # are the Series's own items (Timestamps, pd.NA), as list(series) gives
+            # them: to_numpy() makes ints of datetimes and NaN of a nullable NA.
+            items = items.to_numpy()
         if np is not None and isinstance(items, np.ndarray):
             return cls._fill_from_ndarray(items)
         return lambda w: w.extend(items)
@@ -400,10 +403,17 @@ class _PackedBase(_core.PackedView):
             raise TypeError(f"PackedStringArray() needs str items; a NumPy array of dtype "
                             f"{arr.dtype} has none (for bytes: arr.astype(str))")
 
+        # tolist() gives numbers as Python's, the same values; datetimes and
+        # timedeltas it turns into ints (of ns) or dates, and structured records
+        # into tuples without their field names: those stay NumPy's scalars, as
+        # list(arr) gives them
+        as_python = arr.dtype.kind not in "mMV"
+
         def fill(w):
             # in chunks: a 10M-item array never becomes a 10M-item list
             for k in range(0, len(arr), _NDARRAY_CHUNK):
-                w.extend(arr[k:k + _NDARRAY_CHUNK].tolist())
+                chunk = arr[k:k + _NDARRAY_CHUNK]
+                w.extend(chunk.tolist() if as_python else list(chunk))
         return fill
 
     def __new__(cls, items: Iterable = (), *, sharing_strategy: str = _DEFAULT_STRATEGY):

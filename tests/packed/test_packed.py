@@ -174,6 +174,34 @@ def test_numpy_arrays_and_pandas_like_series():
     assert PackedArray(pd.Series([{"a": 1}, {"b": 2}])).tolist() == [{"a": 1}, {"b": 2}]
 
 
+def _same_items(packed, expected):
+    got = packed.tolist()
+    assert [type(x) for x in got] == [type(x) for x in expected], (got, expected)
+    assert [repr(x) for x in got] == [repr(x) for x in expected], (got, expected)
+
+
+def test_records_from_numpy_and_pandas_keep_their_values_and_types():
+    """A PackedArray made of a NumPy array or a pandas column holds what the list
+    would (datetimes came back as ints of ns, a nullable NA as NaN, structured
+    records as bare tuples)."""
+    stamps = np.array(["2020-01-01T00:00:00.000000001", "2021-05-05"], dtype="datetime64[ns]")
+    _same_items(PackedArray(stamps), list(stamps))
+    spans = np.array([5, 7], dtype="timedelta64[ns]")
+    _same_items(PackedArray(spans), list(spans))
+    rows = np.array([(1, 2.5)], dtype=[("id", "i8"), ("w", "f8")])
+    assert PackedArray(rows)[0]["id"] == 1 and PackedArray(rows)[0]["w"] == 2.5
+    _same_items(PackedArray(np.arange(3)), np.arange(3).tolist())   # numbers: Python's
+    try:
+        import pandas as pd
+    except ImportError:
+        return
+    for series in (pd.Series(pd.to_datetime(["2020-01-01 00:00:00.000000001",
+                                             "2021-05-05 00:00:00.000000000"])),
+                   pd.Series([1, None], dtype="Int64"), pd.Series([1.5, 2.0]),
+                   pd.Series(["a", None], dtype="string")):
+        _same_items(PackedArray(series), list(series))
+
+
 def test_from_file_lines(tmp_path, monkeypatch):
     path = tmp_path / "names.txt"
     path.write_bytes("a\nbé\r\n\nlast line".encode())
