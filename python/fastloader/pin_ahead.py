@@ -96,6 +96,7 @@ class PinAhead:
         # ahead in the order the workers' rings are read, not their turns')
         self._jobs = []
         self._done = {}                        # seq -> pinned data or ExceptionWrapper
+        self._at_turn = set()                  # seqs given at their turn, not ahead
         self._closed = False
         self._thread = None
 
@@ -119,17 +120,34 @@ class PinAhead:
         given (`data` is PINNED_AHEAD), else pinned here. TimeoutError after
         `timeout` seconds (None: no limit) without the thread's result; the result
         stays for a later take()."""
-        if data is not PINNED_AHEAD:
+        if data is not PINNED_AHEAD and (timeout is None
+                                         or not self._pin_on_thread_at_turn(seq, data)):
             return pinned(data, self._device)
         with self._cond:
             if seq in self._done:
+                self._at_turn.discard(seq)
                 return self._done.pop(seq)
             # a data stall like any other (stats.py): timed only when it sleeps
             started = time.perf_counter()
             try:
-                return self._wait_for(seq, None if timeout is None else started + timeout)
+                result = self._wait_for(seq, None if timeout is None else started + timeout)
+                self._at_turn.discard(seq)
+                return result
             finally:
                 self._on_wait(time.perf_counter() - started)
+
+    def _pin_on_thread_at_turn(self, seq, data) -> bool:
+        """With a timeout, a batch that was not given ahead is pinned on the thread
+        too, so that the timeout covers its pinning, as torch's covers it (its loop
+        waits for its pin thread with the timeout). A take() again after a timeout
+        finds it given. False once closed."""
+        with self._cond:
+            if seq in self._at_turn:
+                return True
+            if self.give(seq, data) is not PINNED_AHEAD:
+                return False
+            self._at_turn.add(seq)
+            return True
 
     def _wait_for(self, seq, deadline):
         # called with self._cond held
@@ -155,6 +173,7 @@ class PinAhead:
             self._closed = True
             self._jobs.clear()
             self._done.clear()
+            self._at_turn.clear()
             self._cond.notify_all()
             thread = self._thread
         if wait and thread is not None and thread is not threading.current_thread():

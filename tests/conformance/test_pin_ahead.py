@@ -330,6 +330,30 @@ def test_a_timeout_while_a_batch_is_being_pinned_is_torchs_and_loses_nothing(
     assert ours[2] == "DataLoader timed out after 1.5 seconds" and len(ours) == 7
 
 
+def test_a_timeout_covers_the_pinning_of_a_batch_pinned_at_its_turn(pinning, monkeypatch):
+    """One worker, one batch in flight: nothing is taken ahead, each batch is pinned
+    at its turn. torch's loop waits for its pin thread with the timeout; ours pinned
+    such a batch on the loop's thread, with no timeout at all."""
+    def run(DL):
+        gate = _gated_pinning(pinning, monkeypatch, 0)   # batch 0's pinning waits
+        loader = DL(cds.IndexDataset(n=8), batch_size=4, num_workers=1, prefetch_factor=1,
+                    pin_memory=True, timeout=0.5, multiprocessing_context="fork")
+        it = iter(loader)
+        seen = []
+        try:
+            next(it)
+        except RuntimeError as e:
+            seen.append(str(e))
+        gate.set()
+        seen += [b.tolist() for b in it]
+        return seen
+
+    ours = run(fastloader.DataLoader)
+    theirs = run(torch.utils.data.DataLoader)
+    assert ours == theirs
+    assert ours[0] == "DataLoader timed out after 0.5 seconds" and len(ours) == 3
+
+
 @pytest.mark.parametrize("persistent", [False, True])
 def test_a_state_saved_after_ctrl_c_while_a_batch_is_pinned_resumes_it(
         pinning, monkeypatch, persistent):
