@@ -304,6 +304,18 @@ def _gated_pinning(pinning, monkeypatch, value):
     return gate
 
 
+def _timeout_then_the_rest(it, gate):
+    """next() times out while a pinning waits for `gate`; then the gate opens and
+    the rest of the epoch comes: [the error's text, batch, ...]."""
+    seen = []
+    try:
+        next(it)
+    except RuntimeError as e:
+        seen.append(str(e))
+    gate.set()
+    return seen + [b.tolist() for b in it]
+
+
 def test_a_timeout_while_a_batch_is_being_pinned_is_torchs_and_loses_nothing(
         pinning, monkeypatch):
     def run(DL):
@@ -316,13 +328,7 @@ def test_a_timeout_while_a_batch_is_being_pinned_is_torchs_and_loses_nothing(
         seen = [next(it).tolist()]
         time.sleep(1)   # batch 2 is published before batch 1 is handed out
         seen.append(next(it).tolist())
-        try:
-            next(it)
-        except RuntimeError as e:
-            seen.append(str(e))
-        gate.set()
-        seen += [b.tolist() for b in it]
-        return seen
+        return seen + _timeout_then_the_rest(it, gate)
 
     ours = run(fastloader.DataLoader)
     theirs = run(torch.utils.data.DataLoader)
@@ -338,15 +344,7 @@ def test_a_timeout_covers_the_pinning_of_a_batch_pinned_at_its_turn(pinning, mon
         gate = _gated_pinning(pinning, monkeypatch, 0)   # batch 0's pinning waits
         loader = DL(cds.IndexDataset(n=8), batch_size=4, num_workers=1, prefetch_factor=1,
                     pin_memory=True, timeout=0.5, multiprocessing_context="fork")
-        it = iter(loader)
-        seen = []
-        try:
-            next(it)
-        except RuntimeError as e:
-            seen.append(str(e))
-        gate.set()
-        seen += [b.tolist() for b in it]
-        return seen
+        return _timeout_then_the_rest(iter(loader), gate)
 
     ours = run(fastloader.DataLoader)
     theirs = run(torch.utils.data.DataLoader)
