@@ -368,6 +368,20 @@ def _for_loader(array):
 
 # ---- the array types -----------------------------------------------------------------------
 
+def _pandas_items_differ(items) -> bool:
+    """Whether a pandas column's own items differ from its to_numpy()'s: datetimes
+    and timedeltas (Timestamps), and the nullable extension dtypes (pd.NA)."""
+    if not type(items).__module__.startswith("pandas"):
+        return False
+    dtype = getattr(items, "dtype", None)   # (a DataFrame has none: to_numpy refuses it)
+    if dtype is None:
+        return False
+    kind = getattr(dtype, "kind", "O")
+    if type(dtype).__module__.startswith("numpy"):
+        return kind in "mM"
+    return kind in "mMbiufc"   # Int64, Float64, boolean, datetime with a time zone
+
+
 class _PackedBase(_core.PackedView):
     """Shared behaviour of PackedStringArray and PackedArray."""
 
@@ -386,11 +400,15 @@ class _PackedBase(_core.PackedView):
         except ImportError:   # pragma: no cover - numpy is a dependency
             np = None
         if np is not None and not isinstance(items, np.ndarray) and \
-                callable(getattr(items, "to_numpy", None)) and cls._KIND == _core.PACKED_STR:
-            # a pandas Series / Index of str: as its NumPy array, at C speed. Records
-            # are the Series's own items (Timestamps, pd.NA), as list(series) gives
-            # them: to_numpy() makes ints of datetimes and NaN of a nullable NA.
-            items = items.to_numpy()
+                callable(getattr(items, "to_numpy", None)):
+            # a pandas Series / Index (or pyarrow array): as its NumPy array, at C
+            # speed, unless that would change the records: a pandas column of
+            # datetimes or of a nullable dtype gives its own items (Timestamps,
+            # pd.NA), as list(series) does, where to_numpy() makes ints or NaN
+            if cls._KIND == _core.PACKED_STR or not _pandas_items_differ(items):
+                items = items.to_numpy()
+            else:
+                return lambda w: w.extend(items)
         if np is not None and isinstance(items, np.ndarray):
             return cls._fill_from_ndarray(items)
         return lambda w: w.extend(items)

@@ -221,9 +221,11 @@ class PackedImageFolder(Dataset):
         new.__dict__.update(self.__dict__)
         new._assigned = dict(self._assigned)
         built = _LISTS.get(id(self))
-        if built is not None:
-            _LISTS[id(new)] = built
-            weakref.finalize(new, _forget_lists, id(new))
+        if built is None:   # lists built later, by either, are the other's too
+            built = _LISTS[id(self)] = {}
+            weakref.finalize(self, _forget_lists, id(self))
+        _LISTS[id(new)] = built
+        weakref.finalize(new, _forget_lists, id(new))
         return new
 
     def _index(self, index: int) -> int:

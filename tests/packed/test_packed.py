@@ -195,11 +195,21 @@ def test_records_from_numpy_and_pandas_keep_their_values_and_types():
         import pandas as pd
     except ImportError:
         return
+    with pytest.raises(ValueError, match="1-d array"):   # a DataFrame passed by mistake
+        PackedArray(pd.DataFrame({"path": ["a"], "label": [1]}))
     for series in (pd.Series(pd.to_datetime(["2020-01-01 00:00:00.000000001",
                                              "2021-05-05 00:00:00.000000000"])),
                    pd.Series([1, None], dtype="Int64"), pd.Series([1.5, 2.0]),
                    pd.Series(["a", None], dtype="string")):
         _same_items(PackedArray(series), list(series))
+    # plain numbers and strings keep the fast path (the same items either way)
+    for series in (pd.Series(range(5)), pd.Series(["a", "b"]), pd.Index([1.5, 2.5])):
+        _same_items(PackedArray(series), series.to_numpy().tolist())
+    try:
+        import pyarrow as pa
+    except ImportError:
+        return
+    _same_items(PackedArray(pa.array([1, 2, 3])), [1, 2, 3])   # not pyarrow's scalars
 
 
 def test_from_file_lines(tmp_path, monkeypatch):

@@ -296,3 +296,7 @@ def test_copy_shares_the_lists_and_keeps_its_own_attributes_as_torchvisions(tmp_
     assert other.samples is ds.samples
     other.samples.pop()
     assert len(ds) == len(other) == n - 1
+    fresh = PackedImageFolder(root, allow_empty=True)   # copied before any list is built
+    twin = copy.copy(fresh)
+    twin.samples.pop()
+    assert twin.samples is fresh.samples and len(fresh) == len(twin) == n - 1
