@@ -674,6 +674,8 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         earlier batch that has come meanwhile)."""
         data, where, snap = result
         try:
+            if not isinstance(data, (ExceptionWrapper, _Unrebuilt)):
+                self._pin_ahead.at_turn(seq, data, self._recv_timeout)
             # taking the others decodes them: a Ctrl-C may land there too
             self._take_ahead()
             if isinstance(data, (ExceptionWrapper, _Unrebuilt)):

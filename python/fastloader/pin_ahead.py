@@ -136,6 +136,14 @@ class PinAhead:
             finally:
                 self._on_wait(time.perf_counter() - started)
 
+    def at_turn(self, seq, data, timeout):
+        """Batch `seq` is due (call before the batches behind it are given: the
+        thread takes the lowest seq first, so it is pinned before them, as torch's
+        thread pins batches in the order they came). With a timeout, it is pinned on
+        the thread, so that take()'s timeout covers its pinning."""
+        if timeout is not None and data is not PINNED_AHEAD:
+            self._pin_on_thread_at_turn(seq, data)
+
     def _pin_on_thread_at_turn(self, seq, data) -> bool:
         """With a timeout, a batch that was not given ahead is pinned on the thread
         too, so that the timeout covers its pinning, as torch's covers it (its loop
