@@ -673,12 +673,13 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         to come; after a timeout, the next next() gets it, or, out of order, an
         earlier batch that has come meanwhile)."""
         data, where, snap = result
+        is_error = isinstance(data, (ExceptionWrapper, _Unrebuilt))
         try:
-            if not isinstance(data, (ExceptionWrapper, _Unrebuilt)):
+            if not is_error:
                 self._pin_ahead.at_turn(seq, data, self._recv_timeout)
             # taking the others decodes them: a Ctrl-C may land there too
             self._take_ahead()
-            if isinstance(data, (ExceptionWrapper, _Unrebuilt)):
+            if is_error:
                 return result
             return self._pin_ahead.take(seq, data, self._recv_timeout), where, snap
         except (KeyboardInterrupt, TimeoutError) as e:
