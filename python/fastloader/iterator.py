@@ -14,6 +14,7 @@ import functools
 import heapq
 import operator
 import pickle
+import time
 
 import torch
 from torch._utils import ExceptionWrapper
@@ -131,6 +132,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         # bookkeeping, and a worker that runs ahead would wake it for each result).
         # With a timeout, any result restarts the clock, as in torch: all wake it.
         self._wake_on_due_only = self._in_order and self._recv_timeout is None
+        self._pin_timed = self._pin_memory and self._recv_timeout is not None
         # with a CPU to spare, spin for a batch rather than make its worker wake us
         self._main_spin = MainSpin(self._pin_memory)
         # a torch DataLoader given fastloader's transport by install() has none
@@ -493,6 +495,10 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
                 self._send_unsent()
                 if len(self._task_info[self._rcvd_idx]) == 2:
                     continue   # the due task could not be sent: its error is due
+            # pin_memory with a timeout: torch's loop waits once, with the timeout,
+            # for its pin thread's output, which is the worker's time and the
+            # pinning's together; a batch got in this wait is pinned by then
+            waited_from = time.perf_counter() if self._pin_timed else None
             got = self._accept(self._get_data(info[0], self._wake_on_due_only))
             if got is None:
                 continue
@@ -500,12 +506,13 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             if seq != self._rcvd_idx:
                 if not self._in_order:
                     self._task_info.pop(seq)
-                    return self._process_data(result, wid, seq, ahead=True)
+                    return self._process_data(result, wid, seq, ahead=True,
+                                              waited_from=waited_from)
                 self._keep_for_turn(seq, result)
             else:
                 self._task_info.pop(seq)
                 self._rcvd_idx += 1
-                return self._process_data(result, wid, seq)
+                return self._process_data(result, wid, seq, waited_from=waited_from)
 
     def _try_put_index(self):
         max_tasks = self._prefetch_factor * self._num_workers
@@ -666,7 +673,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         if not self._in_order:
             heapq.heappush(self._ready, seq)
 
-    def _pinned_result(self, result, worker_idx, seq, ahead):
+    def _pinned_result(self, result, worker_idx, seq, ahead, waited_from):
         """pin_memory: batch `seq`'s result, pinned, before anything of it is
         counted. A Ctrl-C or a timeout while it is being pinned puts the batch back
         as not yet handed out (a state saved then, as the workers stop, still has it
@@ -681,7 +688,8 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             self._take_ahead()
             if is_error:
                 return result
-            return self._pin_ahead.take(seq, data, self._recv_timeout), where, snap
+            return self._pin_ahead.take(seq, data, self._recv_timeout,
+                                        since=waited_from), where, snap
         except (KeyboardInterrupt, TimeoutError) as e:
             # the caller took it off _task_info and, unless it came out of order
             # (`ahead`), moved _rcvd_idx past it
@@ -695,11 +703,12 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
                 raise
             raise self._timed_out() from None
 
-    def _process_data(self, result, worker_idx, seq, ahead=False):
+    def _process_data(self, result, worker_idx, seq, ahead=False, waited_from=None):
         """Hand out batch `seq`, taken off _task_info (`ahead`: out of order, before
-        _rcvd_idx's batch; else _rcvd_idx is past it)."""
+        _rcvd_idx's batch; else _rcvd_idx is past it). `waited_from`: when the wait
+        that received it began, if it was received in this next()."""
         if self._pin_ahead is not None:
-            result = self._pinned_result(result, worker_idx, seq, ahead)
+            result = self._pinned_result(result, worker_idx, seq, ahead, waited_from)
         if ahead:
             self._tracker.delivered_ahead(seq, self._rcvd_idx)
         data, where, snap = result

@@ -115,11 +115,11 @@ class PinAhead:
             self._cond.notify_all()
         return PINNED_AHEAD
 
-    def take(self, seq, data, timeout=None):
+    def take(self, seq, data, timeout=None, since=None):
         """Batch `seq` pinned (or an ExceptionWrapper): the thread's result if it was
         given (`data` is PINNED_AHEAD), else pinned here. TimeoutError after
-        `timeout` seconds (None: no limit) without the thread's result; the result
-        stays for a later take()."""
+        `timeout` seconds (None: no limit) from `since` (a perf_counter() time; None:
+        now) without the thread's result; the result stays for a later take()."""
         if data is not PINNED_AHEAD and (timeout is None
                                          or not self._pin_on_thread_at_turn(seq, data)):
             return pinned(data, self._device)
@@ -130,7 +130,9 @@ class PinAhead:
             # a data stall like any other (stats.py): timed only when it sleeps
             started = time.perf_counter()
             try:
-                result = self._wait_for(seq, None if timeout is None else started + timeout)
+                deadline = None if timeout is None else (
+                    (started if since is None else since) + timeout)
+                result = self._wait_for(seq, deadline)
                 self._at_turn.discard(seq)
                 return result
             finally:

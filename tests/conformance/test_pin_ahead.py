@@ -352,6 +352,39 @@ def test_a_timeout_covers_the_pinning_of_a_batch_pinned_at_its_turn(pinning, mon
     assert ours[0] == "DataLoader timed out after 0.5 seconds" and len(ours) == 3
 
 
+def test_one_timeout_covers_the_workers_time_and_the_pinning_together(pinning, monkeypatch):
+    """torch's loop waits once, with the timeout, for its pin thread's output: a
+    batch whose worker takes 0.5 s and whose pinning takes 0.9 s times out at 1 s.
+    Ours waited for the worker with the timeout, then for the pinning with a new one
+    (up to twice the timeout in all)."""
+    pin = pinning.pin
+
+    def slow_pin(tensor):
+        if threading.current_thread() is not threading.main_thread() \
+                and int(tensor.flatten()[0]) == 0:
+            time.sleep(0.9)
+        return pin(tensor)
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: slow_pin(self))
+
+    def run(DL):
+        loader = DL(cds.IndexDataset(n=8, delays={0: 0.5}), batch_size=4, num_workers=1,
+                    prefetch_factor=1, pin_memory=True, timeout=1,
+                    multiprocessing_context="fork")
+        seen = []
+        it = iter(loader)
+        try:
+            next(it)
+        except RuntimeError as e:
+            seen.append(str(e))
+        return seen + [b.tolist() for b in it]
+
+    ours = run(fastloader.DataLoader)
+    theirs = run(torch.utils.data.DataLoader)
+    assert ours == theirs
+    assert ours[0] == "DataLoader timed out after 1 seconds" and len(ours) == 3
+
+
 @pytest.mark.parametrize("persistent", [False, True])
 def test_a_state_saved_after_ctrl_c_while_a_batch_is_pinned_resumes_it(
         pinning, monkeypatch, persistent):
