@@ -728,8 +728,12 @@ fl_mainchan_take(fl_state *st, MainChannelObject *c, const fl_result *r)
             goto unrebuilt;
         }
         owner_obj = fl_owner_new(st, c->arena, c, r->gen, r->slot);
-        if (owner_obj == NULL)
+        if (owner_obj == NULL) {
+            /* no memory for the owner: nothing will ever hand this slot back but
+               us, now (kept, it would be lost to its worker for good) */
+            (void)fl_free_push(&c->ring, ((uint64_t)r->gen << 32) | r->slot);
             goto unrebuilt;
+        }
         c->held++;
         payload = fl_decode(st, (uint8_t *)c->arena->addr + r->slot * c->arena_slot_size,
                             r->nbytes, owner_obj);
