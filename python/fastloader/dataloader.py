@@ -12,7 +12,8 @@ from . import forkserver, spawn_server
 from . import resume as _resume
 from . import sampler_generators
 from . import torch_sites
-from .install import FastLoaderWarning, warn_if_rebuilt_by_accelerate
+from .install import (FastLoaderWarning, read_by_accelerate_skip_first_batches,
+                      warn_if_rebuilt_by_accelerate)
 from .iterator import FastMultiProcessingIter
 from .session import session_of
 from .sharing import DEFAULT_STRATEGY as _DEFAULT_STRATEGY
@@ -74,6 +75,16 @@ class DataLoader(_TorchDataLoader[T_co]):
     @_is_accelerate_prepared.setter
     def _is_accelerate_prepared(self, value):
         self.__dict__["_fastloader_accelerate_prepared"] = value
+
+    # accelerate's skip_first_batches() (the HF Trainer's on resuming) copies the
+    # arguments of a loader that was not prepared into a new torch DataLoader; this
+    # is the first of them it reads that torch makes a property
+    @_TorchDataLoader.multiprocessing_context.getter
+    def multiprocessing_context(self):
+        if read_by_accelerate_skip_first_batches():
+            warn_if_rebuilt_by_accelerate(self, by="skip_first_batches()",
+                                          as_what="a torch DataLoader")
+        return _TorchDataLoader.multiprocessing_context.fget(self)
 
     def __iter__(self):
         it = self.__dict__.get("_iterator")

@@ -31,6 +31,7 @@ to a ``fastloader.DataLoader`` that a framework rebuilt.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import warnings
 
@@ -129,31 +130,47 @@ _OFF = frozenset({"", "0", "false", "no", "off"})
 _ON = frozenset({"1", "true", "yes", "on"})
 
 
-def warn_if_rebuilt_by_accelerate(loader) -> None:
+def warn_if_rebuilt_by_accelerate(loader, by="Accelerator.prepare()",
+                                  as_what="its own torch DataLoader (DataLoaderShard)") -> None:
     """accelerate's prepare() reads ``_is_accelerate_prepared`` on a loader, then
-    rebuilds it as its own torch DataLoader from torch's arguments: without
-    install() the rebuilt loader runs torch's workers; with it, fastloader's, but
-    with install()'s sharing strategy. Say so when that changes anything."""
+    rebuilds it as its own torch DataLoader from torch's arguments (its
+    skip_first_batches() too, when the loader was not prepared): without install()
+    the rebuilt loader runs torch's workers; with it, fastloader's, but with
+    install()'s sharing strategy. Say so when that changes anything."""
     if getattr(loader, "num_workers", 0) == 0:
         return   # no workers either way
     own = getattr(loader, "sharing_strategy", _strategy)
     if not installed():
         message = (
-            "fastloader: accelerate's Accelerator.prepare() rebuilds this "
-            "fastloader.DataLoader as its own torch DataLoader (DataLoaderShard), which "
-            "runs torch's workers instead of fastloader's and drops sharing_strategy. "
-            "Call fastloader.install() before prepare() (or set FASTLOADER_INSTALL=1 "
-            "before importing fastloader) to give every torch DataLoader fastloader's "
-            "workers.")
+            f"fastloader: accelerate's {by} rebuilds this fastloader.DataLoader as "
+            f"{as_what}, which runs torch's workers instead of fastloader's and drops "
+            "sharing_strategy. Call fastloader.install() before it (or set "
+            "FASTLOADER_INSTALL=1 before importing fastloader) to give every torch "
+            "DataLoader fastloader's workers.")
     elif own != _strategy:
         message = (
-            f"fastloader: accelerate's Accelerator.prepare() rebuilds this "
-            f"fastloader.DataLoader as its own torch DataLoader, with fastloader's workers "
-            f"(install() is active) but install()'s sharing_strategy={_strategy!r}, not "
-            f"this loader's {own!r}; call fastloader.install(sharing_strategy={own!r}) "
-            "to keep it.")
+            f"fastloader: accelerate's {by} rebuilds this fastloader.DataLoader as "
+            f"{as_what}, with fastloader's workers (install() is active) but install()'s "
+            f"sharing_strategy={_strategy!r}, not this loader's {own!r}; call "
+            f"fastloader.install(sharing_strategy={own!r}) to keep it.")
     else:
         return
-    # at the user's prepare() call
+    # at the user's call
     warnings.warn(message, FastLoaderWarning,
                   stacklevel=stacklevel_outside("fastloader", "accelerate"))
+
+
+def read_by_accelerate_skip_first_batches() -> bool:
+    """Whether the attribute being read (by the caller of this function's caller)
+    is read by accelerate's skip_first_batches(), which copies an unprepared
+    loader's arguments into a new torch DataLoader. (It reads them in a dict
+    comprehension: its own frame before Python 3.12.)"""
+    frame = sys._getframe(2)
+    for _ in range(2):
+        if frame is None:
+            return False
+        if (frame.f_code.co_name == "skip_first_batches"
+                and frame.f_globals.get("__name__", "").startswith("accelerate")):
+            return True
+        frame = frame.f_back
+    return False

@@ -1,6 +1,8 @@
 """HF accelerate client: ``python _accelerate_script.py MODE OUT SCENARIO``.
 
-SCENARIO: ``prepare`` (one process: Accelerator(cpu=True).prepare) or ``launcher``
+SCENARIO: ``prepare`` (one process: Accelerator(cpu=True).prepare), ``skip`` (one
+process: the loader not prepared, given to skip_first_batches(), as the HF Trainer
+does on resuming when get_train_dataloader() was overridden) or ``launcher``
 (notebook_launcher with 2 CPU processes, gloo). MODE: ``torch`` (torch's DataLoader,
 the reference), ``fastloader`` (fastloader.install(), then fastloader's DataLoader),
 ``install-torch-loader`` (fastloader.install(), torch's DataLoader: what a framework
@@ -16,10 +18,11 @@ from tests.clients._dropin_common import (Regression, dump_stacks_on_sigusr1, lo
                                           setup_determinism)
 
 EPOCHS = 2
+SKIPPED = 3   # batches, in the skip scenario
 
 
-def train(mode, out):
-    from accelerate import Accelerator
+def train(mode, out, scenario="prepare"):
+    from accelerate import Accelerator, skip_first_batches
     from accelerate.utils import set_seed
 
     accelerator = Accelerator(cpu=True)
@@ -33,7 +36,11 @@ def train(mode, out):
                         shuffle=True, num_workers=2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model, opt, prepared = accelerator.prepare(model, opt, loader)
+        if scenario == "skip":
+            model, opt = accelerator.prepare(model, opt)
+            prepared = skip_first_batches(loader, SKIPPED)
+        else:
+            model, opt, prepared = accelerator.prepare(model, opt, loader)
     batches, losses = [], []
     for _ in range(EPOCHS):
         for batch in prepared:
@@ -64,8 +71,8 @@ def main():
         import fastloader
 
         fastloader.install()   # forked ranks inherit it
-    if scenario == "prepare":
-        train(mode, out)
+    if scenario in ("prepare", "skip"):
+        train(mode, out, scenario)
         ranks = [torch.load(os.path.join(out, "rank0.pt"), weights_only=False)]
     else:
         from accelerate import notebook_launcher

@@ -52,6 +52,34 @@ def test_prepare_without_install_warns_that_fastloader_was_replaced(reference_pr
     assert_workers_were(markers, "torch", {got["main_pid"]}, WORKERS * EPOCHS)
 
 
+@pytest.fixture(scope="module")
+def reference_skip(tmp_path_factory):
+    return run_script(SCRIPT, "torch", str(tmp_path_factory.mktemp("acc")), "skip")
+
+
+def test_skip_first_batches_without_install_warns_that_fastloader_was_replaced(
+        reference_skip, tmp_path):
+    """skip_first_batches() of a loader not prepared (the HF Trainer's, resuming,
+    when get_train_dataloader() is overridden) rebuilds it as a plain torch
+    DataLoader: torch's workers served the epoch and nothing said so."""
+    (ref, _) = reference_skip
+    got, markers = run_script(SCRIPT, "fastloader-no-install", str(tmp_path), "skip")
+    assert_same_training(ref, got, "skip/no-install")
+    assert len(got["ranks"][0]["batches"]) == EPOCHS * (96 // 8 - 3)
+    (warning,) = got["ranks"][0]["warnings"]
+    assert warning.startswith("FastLoaderWarning") and "skip_first_batches()" in warning
+    assert "fastloader.install()" in warning
+    assert_workers_were(markers, "torch", {got["main_pid"]}, WORKERS * EPOCHS)
+
+
+def test_skip_first_batches_with_install_runs_fastloader_workers(reference_skip, tmp_path):
+    (ref, _) = reference_skip
+    got, markers = run_script(SCRIPT, "fastloader", str(tmp_path), "skip")
+    assert_same_training(ref, got, "skip/install")
+    assert got["ranks"][0]["warnings"] == []
+    assert_workers_were(markers, "fast", {got["main_pid"]}, WORKERS * EPOCHS)
+
+
 def test_notebook_launcher_two_cpu_processes(tmp_path):
     ref, ref_markers = run_script(SCRIPT, "torch", str(tmp_path), "launcher")
     got, markers = run_script(SCRIPT, "fastloader", str(tmp_path), "launcher")
