@@ -168,10 +168,13 @@ class DataLoader(_TorchDataLoader[T_co]):
         whose replicas are split by worker) number of workers; a state outside an
         epoch loads with any of them. A map-style epoch resumed with another
         number of workers skips the batches already yielded, with fresh worker
-        RNGs (FastLoaderWarning)."""
-        if isinstance(state, dict):
+        RNGs (FastLoaderWarning). An empty dict, as for torchdata's
+        StatefulDataLoader, means no state: the next iter() starts afresh."""
+        # (`load_state_dict(checkpoint.get("loader", {}))`)
+        empty = isinstance(state, dict) and not state
+        if isinstance(state, dict) and not empty:
             state = _resume.as_epoch_end(self, state)
-        if _resume.validate(self, state) and not state.get("fresh") \
+        if not empty and _resume.validate(self, state) and not state.get("fresh") \
                 and not state.get("epoch_done"):
             warnings.warn(
                 f"fastloader: this state was saved with num_workers "
@@ -187,7 +190,7 @@ class DataLoader(_TorchDataLoader[T_co]):
             self._iterator._shutdown_workers()
             object.__setattr__(self, "_iterator", None)
         session = session_of(self)
-        if state.get("fresh"):
+        if empty or state.get("fresh"):
             # the last state loaded wins; state_dict() and stats() now say what a
             # fresh loader's say, and the next epoch is the first
             session.start_afresh()

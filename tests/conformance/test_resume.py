@@ -4,6 +4,7 @@ batch by batch, including values drawn from worker RNGs."""
 import functools
 import gc
 import random
+import threading
 import time
 import warnings
 
@@ -252,8 +253,13 @@ def test_a_worker_whose_stream_ended_with_a_batch_not_yet_yielded_resumes_it(
     head = [clone_batch(next(it)) for _ in range(5)]
     wait_until(ended.exists, 60)   # worker 0 is done: batch 6 and its end are sent
     time.sleep(0.2)
-    gate.touch()
+    # batch 5 is let go once next() waits for it: that wait takes worker 0's batch 6
+    # and end first (let go before, on a loaded box batch 5 could be there before
+    # next() looked, and next() returned it without reading worker 0's ring)
+    opener = threading.Timer(1.0, gate.touch)
+    opener.start()
     head.append(clone_batch(next(it)))   # batch 5, worker 1's
+    opener.join()
     assert not it._workers_status[0], "worker 0's end of stream had not arrived"
     state = first.state_dict()
     del it, first
@@ -623,6 +629,28 @@ def test_loading_a_fresh_state_after_another_one_starts_afresh():
     loader.load_state_dict(fresh)
     assert loader.state_dict().get("fresh")
     assert len(list(loader)) == 4
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_empty_state_means_none_and_starts_afresh(workers):
+    """torchdata's StatefulDataLoader takes {} as no state (code written for it
+    loads `checkpoint.get("loader", {})`); ours raised ValueError. Loaded after a
+    mid-epoch state, the next epoch is a whole first one, the same batches as a
+    fresh loader's from the same seed."""
+    ds = rd.RandomAugmented(16)
+    kw = dict(batch_size=4, num_workers=workers)
+    torch.manual_seed(3)
+    expected = [b["i"].tolist() for b in make(ds, **kw)]
+    first = make(ds, **kw)
+    it, _ = _steps(first, 2)
+    mid = first.state_dict()
+    del it
+    loader = make(ds, **kw)
+    loader.load_state_dict(mid)
+    loader.load_state_dict({})
+    assert loader.state_dict().get("fresh")
+    torch.manual_seed(3)
+    assert [b["i"].tolist() for b in loader] == expected
 
 
 @pytest.mark.parametrize("workers", [0, 2])
