@@ -1173,6 +1173,16 @@ done:
     return r;
 }
 
+/* A tensor header's dtype code is one this torch has, its bytes are of that code's
+ * NumPy type (whose alignment view_of_data checks: torch's kernels assume the
+ * dtype's), and it asks a gradient only where the dtype can have one. */
+static int
+known_code(dec *d, int32_t code, int32_t typenum, int32_t rg)
+{
+    return code >= 0 && code < d->st->ncodes && typenum == d->st->code_typenum[code] &&
+           (!rg || d->st->grad_code[code]);
+}
+
 /* a tensor that is its whole storage (the common case: one from_numpy call) */
 static PyObject *
 dec_tensor(dec *d)
@@ -1184,7 +1194,7 @@ dec_tensor(dec *d)
     if (take(d, &code, 4) < 0 || take(d, &rg, 4) < 0 || take(d, &typenum, 4) < 0 ||
         take(d, &ndim, 8) < 0)
         return NULL;
-    if (!allowed_typenum(typenum) || ndim > NPY_MAXDIMS || code < 0 || code >= 64)
+    if (!allowed_typenum(typenum) || ndim > NPY_MAXDIMS || !known_code(d, code, typenum, rg))
         return corrupt("tensor header");
     PyArray_Descr *descr = PyArray_DescrFromType(typenum);
     if (descr == NULL)
@@ -1247,7 +1257,7 @@ dec_tensor_view(dec *d)
     if (take(d, &code, 4) < 0 || take(d, &rg, 4) < 0 || take(d, &typenum, 4) < 0 ||
         take(d, &sidx, 8) < 0 || take(d, &offset, 8) < 0 || take(d, &ndim, 8) < 0)
         return NULL;
-    if (!allowed_typenum(typenum) || ndim > NPY_MAXDIMS || code < 0 || code >= 64 ||
+    if (!allowed_typenum(typenum) || ndim > NPY_MAXDIMS || !known_code(d, code, typenum, rg) ||
         sidx >= d->nstor || offset < 0)
         return corrupt("tensor view header");
     PyArray_Descr *descr = PyArray_DescrFromType(typenum);

@@ -31,27 +31,46 @@ set_hooks(PyObject *module, PyObject *args)
 }
 
 PyDoc_STRVAR(set_fast_tensor_doc,
-"set_fast_tensor(from_numpy, plain_codes)\n--\n\n"
-"Tensors whose dtype code is listed in `plain_codes` (bytes) and that do not\n"
-"require grad are decoded by calling `from_numpy` on the slot view directly.");
+"set_fast_tensor(from_numpy, typenums, plain_codes, grad_codes)\n--\n\n"
+"The dtype codes: `typenums` (bytes) holds each code's NumPy typenum, in code\n"
+"order (at most 64). Tensors whose dtype code is listed in `plain_codes` (bytes)\n"
+"and that do not require grad are decoded by calling `from_numpy` on the slot\n"
+"view directly; only codes in `grad_codes` may require grad.");
 
 static PyObject *
 set_fast_tensor(PyObject *module, PyObject *args)
 {
     fl_state *st = fl_state_of_module(module);
     PyObject *fn;
-    Py_buffer codes;
-    if (!PyArg_ParseTuple(args, "Oy*", &fn, &codes))
+    Py_buffer typenums, plain, grad;
+    if (!PyArg_ParseTuple(args, "Oy*y*y*", &fn, &typenums, &plain, &grad))
         return NULL;
+    PyObject *ret = NULL;
+    if (typenums.len > (Py_ssize_t)sizeof(st->code_typenum)) {
+        PyErr_SetString(PyExc_ValueError, "set_fast_tensor: more than 64 dtype codes");
+        goto done;
+    }
+    st->ncodes = (int)typenums.len;
+    memcpy(st->code_typenum, typenums.buf, (size_t)typenums.len);
     memset(st->plain_code, 0, sizeof(st->plain_code));
-    for (Py_ssize_t i = 0; i < codes.len; i++) {
-        uint8_t c = ((const uint8_t *)codes.buf)[i];
+    memset(st->grad_code, 0, sizeof(st->grad_code));
+    for (Py_ssize_t i = 0; i < plain.len; i++) {
+        uint8_t c = ((const uint8_t *)plain.buf)[i];
         if (c < sizeof(st->plain_code))
             st->plain_code[c] = 1;
     }
-    PyBuffer_Release(&codes);
+    for (Py_ssize_t i = 0; i < grad.len; i++) {
+        uint8_t c = ((const uint8_t *)grad.buf)[i];
+        if (c < sizeof(st->grad_code))
+            st->grad_code[c] = 1;
+    }
     Py_XSETREF(st->from_numpy, Py_NewRef(fn));
-    Py_RETURN_NONE;
+    ret = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&typenums);
+    PyBuffer_Release(&plain);
+    PyBuffer_Release(&grad);
+    return ret;
 }
 
 PyDoc_STRVAR(encode_doc,

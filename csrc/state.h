@@ -28,7 +28,13 @@ typedef struct {
     PyObject *class_cache;     /* namedtuple class -> hook_namedtuple's answer (worker);
                                   pickled class bytes -> class (main process) */
     PyObject *from_numpy;      /* torch.from_numpy: the whole decode for plain dtypes */
+    /* The dtype codes this torch has (set_fast_tensor): a tensor header naming
+     * another code, or bytes of another NumPy type than its code's, or asking a
+     * gradient of a code that cannot have one, is refused as corrupt. */
+    int ncodes;
     uint8_t plain_code[64];    /* dtype codes that from_numpy alone gets right */
+    uint8_t grad_code[64];     /* dtype codes whose tensors can require grad */
+    uint8_t code_typenum[64];  /* code -> the NumPy typenum of its bytes */
 } fl_state;
 
 /* defined in module.c */

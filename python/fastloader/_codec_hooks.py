@@ -85,7 +85,7 @@ def _viewable_as_bytes(dtype) -> bool:
 # Codes stop at the C encoder's limit: a dtype beyond it is pickled, as unknown
 # ones were before.
 _RAW_TORCH_BY_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_MAX_CODES = 64   # csrc/codec.c refuses a dtype code >= 64 (state.h: plain_code[64])
+_MAX_CODES = 64   # csrc/codec.c refuses a dtype code >= 64 (state.h: code_typenum[64])
 for _t in sorted({d for d in vars(torch).values() if isinstance(d, torch.dtype)}, key=str):
     if len(DTYPES) < _MAX_CODES and _t not in CODE and _t.itemsize in _RAW_BY_WIDTH \
             and not str(_t).startswith("torch.q") and _viewable_as_bytes(_t):
@@ -442,5 +442,7 @@ def namedtuple_class(cls):
 
 _core.set_hooks(torch.Tensor, DeferredStack, export_tensor, plan_stack, fill_stack,
                 to_tensor, dumps, loads, namedtuple_class)
-_core.set_fast_tensor(torch.from_numpy,
-                      bytes(code for code in range(len(DTYPES)) if not _NEEDS_VIEW[code]))
+_core.set_fast_tensor(torch.from_numpy, bytes(_TYPENUM),
+                      bytes(code for code in range(len(DTYPES)) if not _NEEDS_VIEW[code]),
+                      bytes(code for code, t in enumerate(DTYPES)
+                            if t.is_floating_point or t.is_complex))

@@ -15,7 +15,7 @@ import torch
 
 import fastloader  # noqa: F401  (registers the codec hooks)
 from fastloader import _core
-from fastloader._codec_hooks import DeferredStack, CODE
+from fastloader._codec_hooks import CODE, DTYPES, DeferredStack
 from tests.support.aliasing_datasets import containers_holding_themselves
 from tests.support.helpers import run_python
 
@@ -296,6 +296,34 @@ def test_shapes_whose_strides_overflow_are_refused():
     huge = bytes([T_TUPLE]) + struct.pack("<Q", 2) + tensor([0]) + tensor([0] + [1 << 62] * 3)
     with pytest.raises(ValueError, match="corrupt"):
         _core.decode(_crafted(huge, stab=empty))
+
+
+@pytest.mark.parametrize("tag", ["tensor", "view"])
+def test_a_tensor_header_that_disagrees_with_its_dtype_code_is_refused(tag):
+    """A dtype code past the ones this torch has raised a bare IndexError; bytes of
+    another NumPy type than the code's were taken as they said (a uint8 header
+    with a float64 code decoded at an odd address, which the alignment check, done
+    with the bytes' type, exists to refuse); a gradient asked of an integer dtype
+    raised torch's own error. Each is now a corrupt header."""
+    u1, f8 = np.dtype(np.uint8).num, np.dtype(np.float64).num
+    stab = struct.pack("<QQQ", 1, 8, 0)        # 8 bytes at offset 1 of the data
+
+    def header(code, typenum, grad=0):
+        if tag == "tensor":
+            return (bytes([T_TENSOR]) + struct.pack("<iiiQ", code, grad, typenum, 1)
+                    + struct.pack("<qQ", 1 if typenum == f8 else 8, 0))
+        return (bytes([T_TV]) + struct.pack("<iii", code, grad, typenum)
+                + struct.pack("<Qqq", 0, 0, 1) + struct.pack("<qq", 1 if typenum == f8 else 8, 1))
+
+    data = bytes(range(64))
+    fine = _core.decode(_crafted(header(CODE[torch.uint8], u1), data, stab=stab))
+    assert fine.dtype == torch.uint8 and fine.tolist() == list(range(1, 9))
+    for code, typenum, grad in [(len(DTYPES), u1, 0), (63, u1, 0), (-1, u1, 0),
+                                (CODE[torch.float64], u1, 0), (CODE[torch.bfloat16], u1, 0),
+                                (CODE[torch.uint8], f8, 0), (CODE[torch.int64], u1, 0),
+                                (CODE[torch.uint8], u1, 1)]:
+        with pytest.raises(ValueError, match="corrupt batch encoding [(]tensor (view )?header"):
+            _core.decode(_crafted(header(code, typenum, grad), data, stab=stab))
 
 
 def test_a_view_whose_extent_wraps_is_refused_by_the_decoder():
