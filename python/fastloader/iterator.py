@@ -35,8 +35,8 @@ from .metadata_warning import warn_if_heavy_metadata
 from .pin_ahead import PinAhead, ask_device_before_accelerator
 from .pool import WorkerPool, WorkerSpec, live_workers
 from .protocol import (
-    RES_BATCH_SNAP, RES_DEAD, RES_ERROR, RES_ITER_END, RES_RESUMED, TASK_CONTROL, TASK_PICKLE,
-    TASK_RESUME, WHERE_NONE, encode_control,
+    RES_BATCH, RES_BATCH_SNAP, RES_DEAD, RES_ERROR, RES_ITER_END, RES_RESUMED, TASK_CONTROL,
+    TASK_PICKLE, TASK_RESUME, WHERE_NONE, encode_control,
 )
 from .session import LoaderSession
 from .sharing import DEFAULT_STRATEGY
@@ -608,8 +608,8 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         stream is done with here (None); a batch or an error is returned as
         (worker, seq, (data, where, snapshot)) for its turn."""
         wid, seq, kind, data, where = got
-        if kind == RES_RESUMED:
-            return None
+        if not self._expected(wid, seq, kind, data):
+            self._refuse(wid, seq, kind, data)
         self._tasks_outstanding -= 1
         if kind == RES_ITER_END:
             self._ended_at[wid] = seq
@@ -638,9 +638,43 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
                 f"created for either: /dev/shm full, a memory or file-size limit, or no "
                 f"file descriptor left in the worker). The worker printed the error and "
                 f"its traceback to its stderr."))
-        elif kind == RES_ERROR and not isinstance(data, ExceptionWrapper):
-            data = ExceptionWrapper(where=f"in DataLoader worker process {wid}")
         return wid, seq, (data, where, snap)
+
+    def _expected(self, wid, seq, kind, data) -> bool:
+        """Whether a result is one that worker `wid` can send now: the answer to a
+        task it was given and has not answered (a worker answers each task once),
+        of a kind its dataset has, with a payload of that kind. The ring is shared
+        memory: a worker whose memory was corrupted (a native extension writing
+        out of bounds), or another process, can write any descriptor there."""
+        info = self._task_info.get(seq)
+        if info is None:
+            # an ended replica answers the tasks it was still given with more ends;
+            # the cursor may have dropped their entries already
+            return (kind == RES_ITER_END and not self._workers_status[wid]
+                    and 0 <= seq < self._send_idx)
+        if len(info) != 1 or info[0] != wid:
+            return False
+        if kind == RES_BATCH:
+            return True
+        if kind == RES_ERROR:
+            return data is None or isinstance(data, (ExceptionWrapper, BaseException))
+        if kind == RES_BATCH_SNAP:
+            return type(data) is tuple and len(data) == 2
+        # a resume's answers are all taken by _reset
+        return kind == RES_ITER_END and self._dataset_kind == _DatasetKind.Iterable
+
+    def _refuse(self, wid, seq, kind, data):
+        """A result no task asked for: the epoch cannot go on (which batch it was
+        meant to be is unknown), so it stops as for a worker's death."""
+        message = (f"DataLoader worker {wid} (pid {self._pool.pids[wid]}) sent a result "
+                   f"that this process cannot accept (kind {kind}, batch {seq}, a "
+                   f"{type(data).__name__}): not the answer to a task it was given. Its "
+                   f"ring, in shared memory, was written by something else than "
+                   f"fastloader's worker loop: most often memory corruption in the worker "
+                   f"(a native extension writing out of bounds).")
+        self._shutdown_workers(grace=_FAILURE_GRACE_S)
+        self._stopped_by = message
+        raise _core.WorkerError(message)
 
     def _take_ahead(self):
         """pin_memory: take every batch already published, each kept for its turn

@@ -162,3 +162,66 @@ def test_a_string_rewritten_while_it_is_decoded_never_comes_out_corrupt(subproce
     assert result["reads"] + result["errors"] > 0
     assert result["errors"] > 0 or result["mixed"] > 0, (
         "never saw the writer's bytes: the test proved nothing")
+
+
+# A worker publishes one result no task asked for, through its own channel, from
+# inside the dataset (what memory corruption in a worker, or another process that
+# can write the ring, leaves there), then goes on as usual.
+_UNASKED = """
+    import faulthandler, json, sys
+    import psutil, torch
+    import fastloader
+    from fastloader import _core
+
+    faulthandler.dump_traceback_later(60, exit=True)
+    seq, kind, payload = json.loads(sys.argv[1])
+
+    class Unasked(torch.utils.data.Dataset):
+        def __len__(self):
+            return 16
+
+        def __getitem__(self, i):
+            if i == 4:   # batch 2, worker 0's
+                frame = sys._getframe(1)
+                while "chan" not in frame.f_locals:
+                    frame = frame.f_back
+                frame.f_locals["chan"].publish(kind, seq, payload)
+            return torch.tensor([i])
+
+    loader = fastloader.DataLoader(Unasked(), batch_size=2, num_workers=2,
+                                   multiprocessing_context="fork")
+    out = []
+    try:
+        for batch in loader:
+            out.append(batch.tolist())
+    except Exception as e:
+        out.append([type(e).__name__, str(e)])
+    out.append(len(psutil.Process().children()))
+    print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("seq, kind, payload", [
+    (10**6, _core.RES_BATCH, [1]),          # a batch never asked for: KeyError
+    (3, _core.RES_BATCH, [1]),              # another worker's pending task: a hang
+    (2, _core.RES_RESUMED, None),           # a resume's answer mid-epoch: a hang
+    (2, _core.RES_ITER_END, None),          # a map-style worker's end: batches lost
+    (2, 6, [1]),                            # a kind that does not exist: handed out
+    (2, _core.RES_ERROR, [1]),              # an error that is no error: AttributeError
+    (2, _core.RES_BATCH_SNAP, [1]),         # a snapshot batch that is not a pair
+], ids=["never-sent", "another-workers", "resumed", "iter-end", "kind-6",
+        "error-payload", "snap-payload"])
+def test_a_result_no_task_asked_for_stops_the_epoch_with_a_clear_error(seq, kind, payload):
+    """The main process trusted a result's seq and kind: a KeyError, a wait for ever
+    (timeout=0), batches silently dropped, or the payload handed out as a batch.
+    Now the epoch stops as for a worker's death: WorkerError naming the worker and
+    what it sent, the batches before it delivered, and no worker left running."""
+    code = textwrap.dedent(_UNASKED)
+    run = subprocess.run([sys.executable, "-c", code, json.dumps([seq, kind, payload])],
+                         capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr[-3000:]
+    *batches, error, children = json.loads(run.stdout.strip().splitlines()[-1])
+    assert batches == [[[0], [1]], [[2], [3]]][:len(batches)], batches
+    assert error[0] == "WorkerError", error
+    assert "DataLoader worker 0 (pid" in error[1] and f"kind {kind}, batch {seq}" in error[1]
+    assert children == 0
