@@ -390,6 +390,39 @@ reserve_slot(WorkerChannelObject *w, uint32_t slot, size_t need, int *err)
     return FL_OK;
 }
 
+/* A free slot keeps reserved what a typical batch needs, so that batches of about
+ * one size reuse pages already there (no page faults, no zeroing: the ring's
+ * point). One far larger than typical (an outlier batch, a bucket of long
+ * samples) is given back once its slot is free and this worker publishes again:
+ * kept, every slot that ever held a big batch would hold its memory for the
+ * worker's life. The slot about to be written (`chosen`) keeps what its batch
+ * needs too. Hysteresis (twice, plus FL_TRIM_SLACK) keeps batches that vary in
+ * size from punching and refaulting the same pages batch after batch. */
+#define FL_TRIM_SLACK ((size_t)1 << 20)
+
+static void
+trim_slots(WorkerChannelObject *w, uint32_t chosen, size_t need)
+{
+    w->typical = w->typical == 0 ? need : w->typical - w->typical / 8 + need / 8;
+    size_t keep = FL_ALIGN_UP(w->typical, 4096);
+    for (uint32_t i = 0; i < w->nslots; i++) {
+        if (w->busy[i] && i != chosen)
+            continue;
+        size_t target = keep;
+        if (i == chosen && FL_ALIGN_UP(need, 4096) > target)
+            target = FL_ALIGN_UP(need, 4096);
+        if (target > w->slot_size)
+            target = w->slot_size;
+        size_t have = w->reserved[i];
+        if (have <= 2 * target + FL_TRIM_SLACK)
+            continue;
+        if (fl_shm_release(w->arena_fd, (size_t)i * w->slot_size + target, have - target) < 0)
+            continue;
+        w->reserved[i] = target;
+        atomic_fetch_sub(&w->ctl->arena_reserved, have - target);
+    }
+}
+
 /* file_descriptor strategy: send a segment's fd right before the result that
  * names it, once nothing can fail between the two (the result has room), so the
  * main process always pairs an fd with its own result. */
@@ -501,6 +534,8 @@ workerchan_publish(WorkerChannelObject *w, PyObject *args)
                 break;
             }
     }
+    if (w->arena != NULL)
+        trim_slots(w, slot, need);
     /* a slot whose pages cannot be reserved: this batch overflows */
     if (slot != UINT32_MAX && reserve_slot(w, slot, need, &err) != FL_OK)
         slot = UINT32_MAX;

@@ -95,6 +95,7 @@ typedef struct {
     int arena_fd;        /* kept to reserve slots as they are first needed;
                             file_descriptor: sent with the arena's first batch */
     size_t *reserved;    /* per slot: bytes from its start reserved so far */
+    size_t typical;      /* a moving average of the batches' sizes (trim_slots) */
     size_t slot_size;
     uint32_t nslots, nslots_target;
     uint32_t gen;

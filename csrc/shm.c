@@ -65,6 +65,17 @@ fl_shm_reserve(int fd, size_t off, size_t len, int *err)
 }
 
 int
+fl_shm_release(int fd, size_t off, size_t len)
+{
+    int rc;
+    do {
+        rc = fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)off,
+                       (off_t)len);
+    } while (rc < 0 && errno == EINTR);
+    return rc < 0 ? -1 : 0;
+}
+
+int
 fl_shm_open(const char *name, int *fd_out, int *err)
 {
     int fd = shm_open(name, O_RDWR | O_CLOEXEC, 0);

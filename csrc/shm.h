@@ -28,6 +28,10 @@ int fl_shm_create(const char *name, size_t size, size_t reserve, int *fd_out, in
 /* Reserve the pages of [off, off + len) of segment `fd` (fallocate): ENOSPC/ENOMEM
  * here instead of a SIGBUS when the memory is first touched. */
 int fl_shm_reserve(int fd, size_t off, size_t len, int *err);
+/* Give the pages of [off, off + len) of segment `fd` back to the system (a hole
+ * punched, the size kept: every mapping reads zeros there, never a SIGBUS); 0, or
+ * -1 where the filesystem cannot (the pages then stay). */
+int fl_shm_release(int fd, size_t off, size_t len);
 int fl_shm_open(const char *name, int *fd_out, int *err);
 int fl_shm_map(int fd, size_t size, void **addr_out, int *err);
 /* Do not let later forks inherit this mapping (MADV_DONTFORK): the main process's

@@ -232,6 +232,61 @@ def test_reservation_grows_with_what_is_in_flight():
     gc.collect()
 
 
+class Sizes(torch.utils.data.Dataset):
+    """Sample i: a float tensor of sizes[i] bytes."""
+
+    def __init__(self, sizes):
+        self.sizes = sizes
+
+    def __len__(self):
+        return len(self.sizes)
+
+    def __getitem__(self, i):
+        return torch.full((self.sizes[i] // 4,), float(i))
+
+
+SMALL, BIG = 256 << 10, 32 << 20
+PATTERNS = {
+    # one outlier batch, then small ones
+    "outlier": [SMALL] * 6 + [BIG] + [SMALL] * 40,
+    # big batches one at a time, each landing in another slot (the loop keeps the
+    # last three batches), then small ones
+    "spread": ([BIG] + [SMALL] * 5) * 6 + [SMALL] * 40,
+}
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_a_big_batchs_memory_is_given_back_once_smaller_ones_reuse_the_ring(pattern,
+                                                                            strategy):
+    """A slot kept what the biggest batch it ever held reserved, for the worker's
+    life: one 32 MiB batch among 256 KiB ones held 32 MiB to the epoch's end and
+    after (persistent workers), and big batches spread over the slots held one big
+    batch's memory per slot, where torch's shared memory goes with each batch. Now
+    a free slot keeps what a typical batch needs (the last batches' sizes)."""
+    sizes = PATTERNS[pattern]
+    loader = DataLoader(Sizes(sizes), batch_size=None, num_workers=1, prefetch_factor=8,
+                        persistent_workers=True, sharing_strategy=strategy,
+                        multiprocessing_context="fork")
+    it = iter(loader)
+    kept = []
+    for i, batch in enumerate(it):
+        assert batch.numel() * 4 == sizes[i] and float(batch[0]) == i
+        kept = kept[-2:] + [batch]
+    del batch, kept
+    gc.collect()
+    stats = it.stats(memory=False)
+    (w,) = stats["workers"]
+    (addr, _size), = it.segments()
+    start, end, _inode = vma_of(addr)
+    held = allocated_bytes(start, end)
+    # what 4 slots of small batches and the slack that keeps them from churning hold
+    assert held <= 8 << 20, (held, w)
+    assert w["arena_reserved_bytes"] - (64 << 10) <= held <= w["arena_reserved_bytes"] + (1 << 20)
+    del it, loader
+    gc.collect()
+
+
 # ---- later forks --------------------------------------------------------------------
 
 def maps_of_inode(pid, inode):
