@@ -169,12 +169,15 @@ class DataLoader(_TorchDataLoader[T_co]):
         epoch loads with any of them. A map-style epoch resumed with another
         number of workers skips the batches already yielded, with fresh worker
         RNGs (FastLoaderWarning). An empty dict, as for torchdata's
-        StatefulDataLoader, means no state: the next iter() starts afresh."""
-        # (`load_state_dict(checkpoint.get("loader", {}))`)
-        empty = isinstance(state, dict) and not state
-        if isinstance(state, dict) and not empty:
+        StatefulDataLoader, is nothing to load: only the live iterator (and its
+        persistent workers) is dropped, and a state loaded before stays."""
+        if isinstance(state, dict) and not state:
+            # (`load_state_dict(checkpoint.get("loader", {}))`)
+            self._drop_iterator()
+            return
+        if isinstance(state, dict):
             state = _resume.as_epoch_end(self, state)
-        if not empty and _resume.validate(self, state) and not state.get("fresh") \
+        if _resume.validate(self, state) and not state.get("fresh") \
                 and not state.get("epoch_done"):
             warnings.warn(
                 f"fastloader: this state was saved with num_workers "
@@ -184,13 +187,11 @@ class DataLoader(_TorchDataLoader[T_co]):
                 "augmentations differ from an uninterrupted run's", FastLoaderWarning,
                 stacklevel=2)
             state = _resume.for_other_worker_count(state, self.num_workers)
-        if getattr(self, "_iterator", None) is not None:
-            # live persistent workers were seeded for another run (a fresh one's
-            # too): start afresh
-            self._iterator._shutdown_workers()
-            object.__setattr__(self, "_iterator", None)
+        # live persistent workers were seeded for another run (a fresh one's too):
+        # start afresh
+        self._drop_iterator()
         session = session_of(self)
-        if empty or state.get("fresh"):
+        if state.get("fresh"):
             # the last state loaded wins; state_dict() and stats() now say what a
             # fresh loader's say, and the next epoch is the first
             session.start_afresh()
@@ -202,6 +203,11 @@ class DataLoader(_TorchDataLoader[T_co]):
             sampler_generators.restore(self._index_sampler, self.generator,
                                        state.get("sampler_generators_now"))
         session.resume_from(state)
+
+    def _drop_iterator(self):
+        if getattr(self, "_iterator", None) is not None:
+            self._iterator._shutdown_workers()
+            object.__setattr__(self, "_iterator", None)
 
     def stats(self, memory=True):
         """Statistics of this loader's current (or last) epoch with workers: batches

@@ -632,25 +632,34 @@ def test_loading_a_fresh_state_after_another_one_starts_afresh():
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_an_empty_state_means_none_and_starts_afresh(workers):
-    """torchdata's StatefulDataLoader takes {} as no state (code written for it
-    loads `checkpoint.get("loader", {})`); ours raised ValueError. Loaded after a
-    mid-epoch state, the next epoch is a whole first one, the same batches as a
-    fresh loader's from the same seed."""
+def test_an_empty_state_is_nothing_to_load(workers):
+    """torchdata's StatefulDataLoader takes {} as nothing to load (code written for
+    it loads `checkpoint.get("loader", {})`): the live iterator goes, a state loaded
+    before stays. Ours raised ValueError."""
     ds = rd.RandomAugmented(16)
-    kw = dict(batch_size=4, num_workers=workers)
+    kw = dict(batch_size=4, num_workers=workers, persistent_workers=workers > 0)
     torch.manual_seed(3)
     expected = [b["i"].tolist() for b in make(ds, **kw)]
-    first = make(ds, **kw)
-    it, _ = _steps(first, 2)
-    mid = first.state_dict()
-    del it
-    loader = make(ds, **kw)
-    loader.load_state_dict(mid)
-    loader.load_state_dict({})
-    assert loader.state_dict().get("fresh")
+    fresh = make(ds, **kw)
+    fresh.load_state_dict({})
     torch.manual_seed(3)
-    assert [b["i"].tolist() for b in loader] == expected
+    assert [b["i"].tolist() for b in fresh] == expected
+    # a live persistent iterator is dropped (its workers stop) ...
+    if workers:
+        live = fresh._iterator
+        assert live is not None and live.worker_pids
+        fresh.load_state_dict({})
+        assert fresh._iterator is None and live._shutdown
+    # ... and a state loaded before is still what the next epoch resumes from
+    first = make(ds, **kw)
+    it, head = _steps(first, 2)
+    mid = first.state_dict()
+    rest = [b["i"].tolist() for b in it]
+    del it
+    resumed = make(ds, **kw)
+    resumed.load_state_dict(mid)
+    resumed.load_state_dict({})
+    assert [b["i"].tolist() for b in resumed] == rest
 
 
 @pytest.mark.parametrize("workers", [0, 2])
