@@ -182,7 +182,7 @@ test-asan: install
 		UBSAN_OPTIONS=print_stacktrace=1 \
 		FASTLOADER_ASAN=1 $(VPY) -m pytest -q -x --capture=sys tests
 
-# Valgrind over every C path (tests/loopback.py); fails on a leak or memory error
+# Valgrind over every C path (benchmarks/loopback.py); fails on a leak or memory error
 # with a frame in fastloader's C core (CPython/NumPy/torch's own reports ignored).
 leakcheck: install
 	$(VPY) -m tests.support.valgrind_check

@@ -6,7 +6,7 @@
     python -m benchmarks.throughput --workloads tiny,image --repeats 7 --json out.json
     python -m benchmarks.throughput --context spawn
 
-Workloads (budgets from DESIGN.md, "Budgets", and issues 5 and 14):
+Workloads (budgets from the design document's "Budgets", and issues 5 and 14):
 
     tiny           16 float32 + int label per sample          samples/s  >= 5.0x torch,
                                                                          efficiency >= 0.9
@@ -67,7 +67,7 @@ from benchmarks.loaders import FASTLOADER, IN_PROCESS, TORCH
 from benchmarks.ceiling import machine_ceiling
 from benchmarks.pss import PssSampler
 
-# Efficiency (DESIGN.md "Budgets"): steady-state epoch time of the loader against
+# Efficiency (the design document's "Budgets"): steady-state epoch time of the loader against
 # the in-process epoch divided by min(workers, usable CPUs).
 EFFICIENCY_BUDGET = 0.9
 
