@@ -56,6 +56,7 @@ from typing import Any, Iterable, Optional, Union
 
 from . import _core
 from ._core import FastLoaderError
+from .seals import seal_immutable
 from .sharing import DEFAULT_STRATEGY, STRATEGIES, packed_segment_name  # noqa: F401
 from .sharing import check_strategy as _check_strategy
 
@@ -172,11 +173,8 @@ def _discard(fd: int, name: Optional[str]) -> None:
 
 def _finish_segment(kind, fd, name, size, strategy) -> _Segment:
     if kind == "memfd":
-        import fcntl
-
         # Immutable from now on, for us and for every worker the fd is passed to.
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW |
-                    fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL)
+        seal_immutable(fd)
         # populate: the pages are then mapped here, so a worker's reads count as
         # shared memory, not as its private memory (USS), and never fault twice.
         return _Segment(kind, strategy, fd, size, populate=True)

@@ -16,13 +16,14 @@ pickled).
 """
 from __future__ import annotations
 
-import fcntl
 import io
 import mmap
 import os
 from multiprocessing import context as _mp_context
 from multiprocessing.reduction import ForkingPickler
 from typing import Optional
+
+from .seals import seal_immutable
 
 # Below this a pickle per worker costs microseconds: not worth a memfd.
 MIN_BYTES = 1 << 16
@@ -97,8 +98,7 @@ class SharedPickle:
             while view:
                 view = view[os.write(self.fd, view):]
             # final: no holder of the fd can resize or rewrite it under a worker's map
-            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
-                        | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL)
+            seal_immutable(self.fd)
         except BaseException:
             os.close(self.fd)
             raise
