@@ -20,6 +20,16 @@ _PREAMBLE = """
     import torch
     from fastloader import DataLoader
 
+    class Numbers(torch.utils.data.Dataset):
+        def __init__(self, n):
+            self.n = n
+
+        def __len__(self):
+            return self.n
+
+        def __getitem__(self, i):
+            return torch.full((4,), i)
+
     def drain(it, out):
         faulthandler.dump_traceback_later(60, exit=True)
         while True:
@@ -33,14 +43,7 @@ _PREAMBLE = """
 """
 
 _FD_LIMIT = _PREAMBLE + """
-    class Numbers(torch.utils.data.Dataset):
-        def __len__(self):
-            return 40
-
-        def __getitem__(self, i):
-            return torch.full((4,), i)
-
-    it = iter(DataLoader(Numbers(), batch_size=2, num_workers=2, timeout=20,
+    it = iter(DataLoader(Numbers(40), batch_size=2, num_workers=2, timeout=20,
                          multiprocessing_context="fork"))
     resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
     held = []
@@ -164,14 +167,7 @@ _NO_MEMORY_FOR_THE_SLOTS_OWNER = _PREAMBLE + """
 
     proxy = fastloader.iterator._core = FailingFirstAllocation()
 
-    class Numbers(torch.utils.data.Dataset):
-        def __len__(self):
-            return 160
-
-        def __getitem__(self, i):
-            return torch.full((4,), i)
-
-    it = iter(DataLoader(Numbers(), batch_size=2, num_workers=1, timeout=20,
+    it = iter(DataLoader(Numbers(160), batch_size=2, num_workers=1, timeout=20,
                          multiprocessing_context="fork"))
     out = []
     for b in range(80):
