@@ -44,6 +44,7 @@ Sharing:
 """
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import errno
 import io
@@ -539,6 +540,25 @@ class _PackedBase(_core.PackedView):
 
     __hash__ = None   # equality by value, like list
 
+    # -- the rest of a read-only list's protocol (collections.abc.Sequence is
+    #    registered below: random.sample() and isinstance checks accept the
+    #    arrays as they accept the list they replace) --
+    def __reversed__(self):
+        return iter(self[::-1])
+
+    def index(self, value, start=0, stop=None) -> int:
+        """The first position of `value` at or after `start` and before `stop`
+        (bounds as list.index takes them); ValueError if it is not there."""
+        first, last, _ = slice(start, stop).indices(len(self))
+        for position, item in enumerate(self[first:last], first):
+            if item is value or item == value:
+                return position
+        raise ValueError(f"{value!r} is not in {type(self).__name__}")
+
+    def count(self, value) -> int:
+        """How many items equal `value`, as list.count counts them."""
+        return sum(1 for item in self if item is value or item == value)
+
     def __repr__(self):
         n = len(self)
         if n <= 6:
@@ -547,6 +567,9 @@ class _PackedBase(_core.PackedView):
             body = ", ".join([repr(x) for x in self[:3]] + ["..."] +
                              [repr(x) for x in self[-2:]])
         return f"{type(self).__name__}([{body}], len={n})"
+
+
+collections.abc.Sequence.register(_PackedBase)
 
 
 class PackedStringArray(_PackedBase):
@@ -559,8 +582,10 @@ class PackedStringArray(_PackedBase):
     suffixes=...)`` and ``load(path)``.
 
     ``a[i]`` returns a str (negative indices work), ``a[i:j:k]`` a view sharing the
-    segment; ``len``, iteration, ``in``, ``==`` (with another packed array, a list or
-    a tuple), ``.nbytes``, ``.tolist()``, ``.take(indices)``, ``.save(path)``.
+    segment; ``len``, iteration, ``reversed``, ``in``, ``.index()``, ``.count()``,
+    ``==`` (with another packed array, a list or a tuple), ``.nbytes``,
+    ``.tolist()``, ``.take(indices)``, ``.save(path)``. A
+    ``collections.abc.Sequence`` (registered), as the list it replaces is.
     ``__getitems__(indices)`` (the same as take) lets torch's fetcher read a batch in
     one C call: ``[a[i] for i in indices]``, with the same items and errors.
     Strings are encoded with ``surrogateescape``, so file names that are not valid

@@ -6,6 +6,7 @@ psutil) of live workers over a full shuffled epoch of a million names, under for
 spawn and forkserver, and check that a plain Python list does show the growth, so
 the bounds are known to discriminate.
 """
+import collections.abc
 import copy
 import multiprocessing
 import errno
@@ -24,6 +25,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
+from torch.utils.data import default_collate
 
 from fastloader import DataLoader, FastLoaderError
 from fastloader import packed as packed_mod
@@ -114,6 +116,37 @@ def test_iteration_contains_equality_repr_tolist_take_nbytes():
     empty = PackedStringArray([])
     assert len(empty) == 0 and empty.tolist() == [] and empty.nbytes == 0 and empty == []
     assert copy.copy(a) is a and copy.deepcopy(a) is a
+
+
+@pytest.mark.parametrize("kind", ["strings", "records"])
+def test_a_packed_array_is_the_sequence_the_list_it_replaces_is(kind):
+    # random.sample() refuses anything that is not a collections.abc.Sequence, and
+    # index/count/reversed are what a list offers besides len, [] and in
+    items = (["b", "a", "", "b", "c", "b"] if kind == "strings"
+             else [{"id": 1}, 2, [3], {"id": 1}, 2.0, None])
+    a = (PackedStringArray if kind == "strings" else PackedArray)(items)
+    assert isinstance(a, collections.abc.Sequence) and isinstance(a[1:], collections.abc.Sequence)
+    assert not isinstance(a, collections.abc.MutableSequence)
+    assert list(reversed(a)) == items[::-1] and list(reversed(a[1::2])) == items[1::2][::-1]
+    for value in items + ["zz", 7]:
+        assert a.count(value) == items.count(value), value
+        for bounds in [(), (1,), (-2,), (2, 5), (0, -1), (-100, 100), (4, 2), (99,)]:
+            try:
+                expected = items.index(value, *bounds)
+            except ValueError:
+                with pytest.raises(ValueError, match="is not in"):
+                    a.index(value, *bounds)
+            else:
+                assert a.index(value, *bounds) == expected, (value, bounds)
+    for seed in range(5):
+        assert random.Random(seed).sample(a, 4) == random.Random(seed).sample(items, 4)
+    if kind == "strings":
+        # torch's default_collate takes a sample field that is a packed array as
+        # it takes a list: one collated column per position
+        samples = [(i, a[i:i + 2]) for i in range(3)]
+        as_lists = [(i, items[i:i + 2]) for i in range(3)]
+        assert default_collate(samples)[1] == default_collate(as_lists)[1] == [("b", "a", ""),
+                                                                              ("a", "", "b")]
 
 
 def test_surrogateescaped_names_round_trip_and_lone_surrogates_are_refused():
