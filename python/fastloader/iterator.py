@@ -627,7 +627,13 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             snap = copy.deepcopy(snap)
         elif kind == RES_ERROR and isinstance(data, BaseException):
             # the batch arrived but could not be rebuilt here (see
-            # fl_mainchan_take): its error is raised, unchanged, in its turn
+            # fl_mainchan_take): its error is raised, unchanged (the type torch's
+            # unpickling would raise), in its turn, with a note saying whose
+            # batch it was (Python 3.11+)
+            if hasattr(data, "add_note"):
+                data.add_note(f"fastloader: raised in the main process while rebuilding "
+                              f"batch {seq} of the epoch (counted from 0), which DataLoader "
+                              f"worker process {wid} built and sent without error")
             data = _Unrebuilt(data)
         elif kind == RES_ERROR and data is None:
             # a bare notice: the worker had no shared memory to send its error in

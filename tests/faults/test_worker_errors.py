@@ -6,6 +6,7 @@ Every wait runs under `deadline` (SIGALRM) or a subprocess timeout, and
 faulthandler_timeout (pyproject) dumps stacks if all else fails.
 """
 import re
+import sys
 
 import pytest
 
@@ -135,3 +136,9 @@ def test_a_batch_the_main_process_cannot_rebuild_raises_in_its_turn(batch_size):
     assert len(errors) == 1
     # unchanged, as torch raises an unpickling error (tests/transport/test_aliasing.py)
     assert str(errors[0]) == "sample 5 cannot be rebuilt in the main process"
+    # with a note of whose batch it was (round robin: batch `bad` is worker 1's)
+    if sys.version_info >= (3, 11):
+        assert errors[0].__notes__ == [
+            f"fastloader: raised in the main process while rebuilding batch {bad} of the "
+            f"epoch (counted from 0), which DataLoader worker process 1 built and sent "
+            f"without error"]
