@@ -373,46 +373,83 @@ view_subscript(PyObject *self, PyObject *key)
                         Py_TYPE(v)->tp_name, Py_TYPE(key)->tp_name);
 }
 
-static int
-view_contains(PyObject *self, PyObject *obj)
+/* The first position k in [start, stop) whose item equals obj, as list.index
+ * compares (identity, then ==); -1 if none, -2 with an exception set. A string
+ * array compares UTF-8 bytes (a str that cannot be encoded is stored nowhere, and
+ * anything but a str equals no stored item, as `in` has always answered), with no
+ * object made per item; records are decoded one by one. The bounds are clamped
+ * to [0, len]. */
+static Py_ssize_t
+view_find(PackedViewObject *v, PyObject *obj, Py_ssize_t start, Py_ssize_t stop)
 {
-    PackedViewObject *v = VIEW(self);
+    if (start < 0)
+        start = 0;
+    if (stop > v->len)
+        stop = v->len;
     if (v->kind == FL_PACKED_STR) {
         if (!PyUnicode_Check(obj))
-            return 0;
+            return -1;
         PyObject *enc = PyUnicode_AsEncodedString(obj, "utf-8", "surrogateescape");
         if (enc == NULL) {
             /* not encodable, so not stored */
             if (!PyErr_ExceptionMatches(PyExc_UnicodeEncodeError))
-                return -1;
+                return -2;
             PyErr_Clear();
-            return 0;
+            return -1;
         }
         const char *want = PyBytes_AS_STRING(enc);
         Py_ssize_t wn = PyBytes_GET_SIZE(enc);
-        int found = 0;
-        for (Py_ssize_t k = 0; k < v->len && !found; k++) {
+        Py_ssize_t found = -1;
+        for (Py_ssize_t k = start; k < stop; k++) {
             const char *p;
             Py_ssize_t n;
             if (raw_item(v, view_pos(v, k), &p, &n) < 0) {
-                found = -1;
+                found = -2;
                 break;
             }
-            found = n == wn && memcmp(p, want, (size_t)n) == 0;
+            if (n == wn && memcmp(p, want, (size_t)n) == 0) {
+                found = k;
+                break;
+            }
         }
         Py_DECREF(enc);
         return found;
     }
-    for (Py_ssize_t k = 0; k < v->len; k++) {
+    for (Py_ssize_t k = start; k < stop; k++) {
         PyObject *item = view_item_at(v, k);
         if (item == NULL)
-            return -1;
+            return -2;
         int eq = PyObject_RichCompareBool(item, obj, Py_EQ);
         Py_DECREF(item);
-        if (eq != 0)
-            return eq;
+        if (eq < 0)
+            return -2;
+        if (eq)
+            return k;
     }
-    return 0;
+    return -1;
+}
+
+static int
+view_contains(PyObject *self, PyObject *obj)
+{
+    Py_ssize_t k = view_find(VIEW(self), obj, 0, VIEW(self)->len);
+    return k == -2 ? -1 : k >= 0;
+}
+
+PyDoc_STRVAR(view_find_doc,
+"_find($self, value, start, stop, /)\n--\n\nReturns int.\n"
+"The first position in [start, stop) (clamped to the array) whose item equals\n"
+"value, as `in` compares; -1 if there is none.");
+
+static PyObject *
+view_find_method(PyObject *self, PyObject *args)
+{
+    PyObject *obj;
+    Py_ssize_t start, stop;
+    if (!PyArg_ParseTuple(args, "Onn:_find", &obj, &start, &stop))
+        return NULL;
+    Py_ssize_t k = view_find(VIEW(self), obj, start, stop);
+    return k == -2 ? NULL : PyLong_FromSsize_t(k);
 }
 
 PyDoc_STRVAR(view_tolist_doc,
@@ -692,6 +729,7 @@ static PyMethodDef view_methods[] = {
     {"validate", view_validate, METH_NOARGS, view_validate_doc},
     {"_serialize", view_serialize, METH_NOARGS, view_serialize_doc},
     {"_equal_items", view_equal_items, METH_O, view_equal_doc},
+    {"_find", view_find_method, METH_VARARGS, view_find_doc},
     {NULL, NULL, 0, NULL},
 };
 

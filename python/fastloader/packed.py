@@ -550,14 +550,18 @@ class _PackedBase(_core.PackedView):
         """The first position of `value` at or after `start` and before `stop`
         (bounds as list.index takes them); ValueError if it is not there."""
         first, last, _ = slice(start, stop).indices(len(self))
-        for position, item in enumerate(self[first:last], first):
-            if item is value or item == value:
-                return position
-        raise ValueError(f"{value!r} is not in {type(self).__name__}")
+        position = self._find(value, first, last)    # in C, as `in` looks
+        if position < 0:
+            raise ValueError(f"{value!r} is not in {type(self).__name__}")
+        return position
 
     def count(self, value) -> int:
         """How many items equal `value`, as list.count counts them."""
-        return sum(1 for item in self if item is value or item == value)
+        n, found, position = len(self), 0, self._find(value, 0, len(self))
+        while position >= 0:
+            found += 1
+            position = self._find(value, position + 1, n)
+        return found
 
     def __repr__(self):
         n = len(self)
