@@ -57,6 +57,11 @@ def run_packed(tmpdir):
     assert names[-1] == "img_1999.jpg" and names[10:20:3].tolist()[0] == "img_10.jpg"
     records = PackedArray({"id": i, "box": [i, i + 1]} for i in range(500))
     assert records[7] == {"id": 7, "box": [7, 8]}
+    # the find behind `in`, index() and count(), both kinds, and a str that
+    # cannot be encoded (its error path)
+    assert "img_5.jpg" in names and names[::-2].index("img_1.jpg") == 999
+    assert names.count("img_7.jpg") == 1 and "\ud800" not in names and 3 not in names
+    assert records.index({"id": 9, "box": [9, 10]}, 5) == 9 and records.count(None) == 0
     path = os.path.join(tmpdir, "names.fpk")
     names.save(path)
     again = PackedStringArray.load(path)
