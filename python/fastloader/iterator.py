@@ -59,14 +59,35 @@ _TASK_RING_BYTES = 64 << 20
 _NOT_SENT = object()
 
 
+_REBUILD_NOTE = "fastloader: raised in the main process while rebuilding "
+
+
 class _Unrebuilt:
     """A batch the main process could not rebuild: what it raised, kept for the
-    batch's turn (a batch may itself be an exception object)."""
+    batch's turn (a batch may itself be an exception object), and whose it was."""
 
-    __slots__ = ("error",)
+    __slots__ = ("error", "whose")
 
-    def __init__(self, error):
-        self.error = error
+    def __init__(self, error, whose=""):
+        self.error, self.whose = error, whose
+
+    def noted(self):
+        """The error, unchanged in type and text, with a note saying whose batch
+        it is (Python 3.11+): one such note at a time, as the same object may be
+        raised for several batches; none where notes cannot be added (an
+        exception class of the user's whose __notes__ is no list)."""
+        error = self.error
+        if not self.whose:
+            return error
+        try:
+            notes = getattr(error, "__notes__", None)
+            if isinstance(notes, list):
+                notes[:] = [n for n in notes
+                            if not (isinstance(n, str) and n.startswith(_REBUILD_NOTE))]
+            error.add_note(f"{_REBUILD_NOTE}{self.whose}")
+        except Exception:
+            pass
+        return error
 
 
 def _check_positive(value, args):
@@ -628,13 +649,12 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         elif kind == RES_ERROR and isinstance(data, BaseException):
             # the batch arrived but could not be rebuilt here (see
             # fl_mainchan_take): its error is raised, unchanged (the type torch's
-            # unpickling would raise), in its turn, with a note saying whose
-            # batch it was (Python 3.11+)
-            if hasattr(data, "add_note"):
-                data.add_note(f"fastloader: raised in the main process while rebuilding "
-                              f"batch {seq} of the epoch (counted from 0), which DataLoader "
-                              f"worker process {wid} built and sent without error")
-            data = _Unrebuilt(data)
+            # unpickling would raise), in its turn, noted with whose batch it was
+            # (an iterable dataset's task numbers count its workers' ends too)
+            which = ("a batch" if self._dataset_kind == _DatasetKind.Iterable
+                     else f"batch {seq} of the epoch (counted from 0)")
+            data = _Unrebuilt(data, f"{which}, which DataLoader worker process {wid} "
+                                    f"built and sent without error")
         elif kind == RES_ERROR and data is None:
             # a bare notice: the worker had no shared memory to send its error in
             # (worker.py, on_fetch)
@@ -760,7 +780,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         if isinstance(data, ExceptionWrapper):   # a pinning error too
             data.reraise()
         if type(data) is _Unrebuilt:
-            raise data.error
+            raise data.noted()
         return data
 
     def _mark_worker_as_unavailable(self, worker_id, shutdown=False):

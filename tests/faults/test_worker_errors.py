@@ -104,41 +104,62 @@ def test_unencodable_sample_names_the_type():
     assert "lock" in str(info.value).lower(), str(info.value)
 
 
-@pytest.mark.parametrize("batch_size", [None, 4])
-def test_a_batch_the_main_process_cannot_rebuild_raises_in_its_turn(batch_size):
-    """A batch that arrives but cannot be rebuilt in the main process (an object
-    whose unpickling fails there) raises its own exception at its turn; the
-    batches before and after it are delivered. It once raised and lost the
-    batch's place: the next next() waited for it for ever."""
-    dataset = ds.FailsToArriveDataset(n=16, bad=5)
-    loader = DataLoader(dataset, batch_size=batch_size, num_workers=2, timeout=30,
-                        collate_fn=ds.list_collate if batch_size else None,
-                        multiprocessing_context="fork")
-    got, errors = [], []
+def _rebuild_note(batch, worker):
+    return (f"fastloader: raised in the main process while rebuilding batch {batch} of "
+            f"the epoch (counted from 0), which DataLoader worker process {worker} built "
+            f"and sent without error")
+
+
+def _epoch_with_caught_errors(loader):
+    """Every batch as its first ints, or ("error", the exception, its notes then)."""
+    got = []
     it = iter(loader)
     with deadline(120):
         while True:
             try:
                 batch = next(it)
             except StopIteration:
-                break
+                return got
             except ValueError as error:
-                errors.append(error)
-                got.append("error")
+                got.append(("error", error, list(getattr(error, "__notes__", []))))
                 continue
-            samples = batch if batch_size else [batch]
+            samples = batch if loader.batch_size else [batch]
             got.append([int(sample[0]) for sample in samples])
+
+
+@pytest.mark.parametrize("how", ["plain", "odd_notes"])
+@pytest.mark.parametrize("batch_size", [None, 4])
+def test_a_batch_the_main_process_cannot_rebuild_raises_in_its_turn(batch_size, how):
+    """A batch that arrives but cannot be rebuilt in the main process (an object
+    whose unpickling fails there) raises its own exception at its turn; the
+    batches before and after it are delivered. It once raised and lost the
+    batch's place: the next next() waited for it for ever. An exception class
+    that takes no note (its __notes__ is no list) is raised as it is."""
+    dataset = ds.FailsToArriveDataset(n=16, bad=5, how=how)
+    loader = DataLoader(dataset, batch_size=batch_size, num_workers=2, timeout=30,
+                        collate_fn=ds.list_collate if batch_size else None,
+                        multiprocessing_context="fork")
+    got = _epoch_with_caught_errors(loader)
     bad = 5 if batch_size is None else 1
     expected = [[i] for i in range(16)] if batch_size is None else \
         [[4 * b + i for i in range(4)] for b in range(4)]
-    expected[bad] = "error"
-    assert got == expected
-    assert len(errors) == 1
+    assert [b if b[0] != "error" else "error" for b in got] == \
+        expected[:bad] + ["error"] + expected[bad + 1:]
+    _, error, notes = got[bad]
     # unchanged, as torch raises an unpickling error (tests/transport/test_aliasing.py)
-    assert str(errors[0]) == "sample 5 cannot be rebuilt in the main process"
+    assert type(error) is (ds.NotesNotAList if how == "odd_notes" else ValueError)
+    assert str(error) == "sample 5 cannot be rebuilt in the main process"
     # with a note of whose batch it was (round robin: batch `bad` is worker 1's)
-    if sys.version_info >= (3, 11):
-        assert errors[0].__notes__ == [
-            f"fastloader: raised in the main process while rebuilding batch {bad} of the "
-            f"epoch (counted from 0), which DataLoader worker process 1 built and sent "
-            f"without error"]
+    if sys.version_info >= (3, 11) and how == "plain":
+        assert notes == [_rebuild_note(bad, 1)]
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes are Python 3.11+")
+def test_one_exception_object_raised_for_two_batches_names_each_in_its_turn():
+    loader = DataLoader(ds.FailsToArriveDataset(n=8, bad=(2, 5), how="shared"), batch_size=None,
+                        num_workers=2, timeout=30, multiprocessing_context="fork")
+    got = _epoch_with_caught_errors(loader)
+    errors = [(i, b) for i, b in enumerate(got) if b[0] == "error"]
+    assert [i for i, _ in errors] == [2, 5]
+    assert all(error is ds.SHARED_REBUILD_ERROR for _, (_, error, _) in errors)
+    assert [notes for _, (_, _, notes) in errors] == [[_rebuild_note(2, 0)], [_rebuild_note(5, 1)]]

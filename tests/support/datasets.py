@@ -508,9 +508,21 @@ class LockDataset(Dataset):
         return {"index": index, "lock": threading.Lock()}
 
 
-def _rebuild_outside(pid, index):
+class NotesNotAList(ValueError):
+    """An exception class whose __notes__ is no list: add_note() raises TypeError."""
+    __notes__ = ()
+
+
+# one object raised for every sample that fails to rebuild with how="shared"
+SHARED_REBUILD_ERROR = ValueError("every sample raises this one object in the main process")
+
+
+def _rebuild_outside(pid, index, how="plain"):
     if os.getpid() == pid:
-        raise ValueError(f"sample {index} cannot be rebuilt in the main process")
+        if how == "shared":
+            raise SHARED_REBUILD_ERROR
+        error = NotesNotAList if how == "odd_notes" else ValueError
+        raise error(f"sample {index} cannot be rebuilt in the main process")
     return index
 
 
@@ -518,26 +530,28 @@ class RebuiltOnlyInWorkers:
     """Pickles in a worker; unpickling it in the process that made the dataset
     raises (as a class that the main process cannot import would)."""
 
-    def __init__(self, pid, index):
-        self.pid, self.index = pid, index
+    def __init__(self, pid, index, how="plain"):
+        self.pid, self.index, self.how = pid, index, how
 
     def __reduce__(self):
-        return _rebuild_outside, (self.pid, self.index)
+        return _rebuild_outside, (self.pid, self.index, self.how)
 
 
 class FailsToArriveDataset(Dataset):
-    """Sample `bad` holds a RebuiltOnlyInWorkers: the main process cannot rebuild
-    the batch it is in; every other sample is `torch.tensor([index])`."""
+    """Sample `bad` (an index or a tuple of them) holds a RebuiltOnlyInWorkers
+    (`how` it fails: see _rebuild_outside): the main process cannot rebuild the
+    batch it is in; every other sample is `torch.tensor([index])`."""
 
-    def __init__(self, n=N, bad=5):
-        self.n, self.bad, self.pid = n, bad, os.getpid()
+    def __init__(self, n=N, bad=5, how="plain"):
+        self.n, self.pid, self.how = n, os.getpid(), how
+        self.bad = bad if isinstance(bad, tuple) else (bad,)
 
     def __len__(self):
         return self.n
 
     def __getitem__(self, index):
-        if index == self.bad:
-            return [torch.tensor([index]), RebuiltOnlyInWorkers(self.pid, index)]
+        if index in self.bad:
+            return [torch.tensor([index]), RebuiltOnlyInWorkers(self.pid, index, self.how)]
         return [torch.tensor([index])]
 
 
