@@ -44,7 +44,6 @@ Sharing:
 """
 from __future__ import annotations
 
-import collections.abc
 import contextlib
 import errno
 import io
@@ -540,9 +539,13 @@ class _PackedBase(_core.PackedView):
 
     __hash__ = None   # equality by value, like list
 
-    # -- the rest of a read-only list's protocol (collections.abc.Sequence is
-    #    registered below: random.sample() and isinstance checks accept the
-    #    arrays as they accept the list they replace) --
+    # -- the rest of a read-only list's methods. Not a registered
+    #    collections.abc.Sequence, as NumPy arrays and pandas Series are not:
+    #    torch's pin_memory and default_convert rebuild a Sequence in a batch as
+    #    type(x)([...]) (a new segment, a full copy, for every batch) and
+    #    default_collate would make a PackedArray of the collated tensors (read
+    #    back unpinned, each a fresh copy); they pass the arrays through as they
+    #    are. --
     def __reversed__(self):
         return iter(self[::-1])
 
@@ -573,9 +576,6 @@ class _PackedBase(_core.PackedView):
         return f"{type(self).__name__}([{body}], len={n})"
 
 
-collections.abc.Sequence.register(_PackedBase)
-
-
 class PackedStringArray(_PackedBase):
     """An immutable sequence of str stored as UTF-8 in one shared segment.
 
@@ -588,8 +588,10 @@ class PackedStringArray(_PackedBase):
     ``a[i]`` returns a str (negative indices work), ``a[i:j:k]`` a view sharing the
     segment; ``len``, iteration, ``reversed``, ``in``, ``.index()``, ``.count()``,
     ``==`` (with another packed array, a list or a tuple), ``.nbytes``,
-    ``.tolist()``, ``.take(indices)``, ``.save(path)``. A
-    ``collections.abc.Sequence`` (registered), as the list it replaces is.
+    ``.tolist()``, ``.take(indices)``, ``.save(path)``. Not a registered
+    ``collections.abc.Sequence`` (as a NumPy array is not): torch's collate and
+    pin_memory pass it through rather than rebuild it per batch, and
+    ``random.sample`` wants ``range(len(a))`` (then ``a.take(...)``).
     ``__getitems__(indices)`` (the same as take) lets torch's fetcher read a batch in
     one C call: ``[a[i] for i in indices]``, with the same items and errors.
     Strings are encoded with ``surrogateescape``, so file names that are not valid
