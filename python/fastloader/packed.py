@@ -544,8 +544,9 @@ class _PackedBase(_core.PackedView):
     #    torch's pin_memory and default_convert rebuild a Sequence in a batch as
     #    type(x)([...]) (a new segment, a full copy, for every batch) and
     #    default_collate would make a PackedArray of the collated tensors (read
-    #    back unpinned, each a fresh copy); they pass the arrays through as they
-    #    are. --
+    #    back unpinned, each a fresh copy). As it is the first two pass the
+    #    arrays through and default_collate refuses a field of them, as it
+    #    refuses a NumPy array of str. --
     def __reversed__(self):
         return iter(self[::-1])
 
@@ -589,9 +590,9 @@ class PackedStringArray(_PackedBase):
     segment; ``len``, iteration, ``reversed``, ``in``, ``.index()``, ``.count()``,
     ``==`` (with another packed array, a list or a tuple), ``.nbytes``,
     ``.tolist()``, ``.take(indices)``, ``.save(path)``. Not a registered
-    ``collections.abc.Sequence`` (as a NumPy array is not): torch's collate and
-    pin_memory pass it through rather than rebuild it per batch, and
-    ``random.sample`` wants ``range(len(a))`` (then ``a.take(...)``).
+    ``collections.abc.Sequence`` (as a NumPy array is not): torch's pin_memory
+    passes it through rather than copy it for every batch, and ``random.sample``
+    wants ``range(len(a))`` (then ``a.take(...)``).
     ``__getitems__(indices)`` (the same as take) lets torch's fetcher read a batch in
     one C call: ``[a[i] for i in indices]``, with the same items and errors.
     Strings are encoded with ``surrogateescape``, so file names that are not valid
