@@ -1063,7 +1063,20 @@ typedef struct {
     PyObject **stor_obj;     /* per storage: the first tensor decoded on it */
     PyObject **memo;
     size_t nmemo, memocap;
+    size_t copy_left;        /* bytes this batch may still copy out (copied_out) */
 } dec;
+
+/* A small tensor or array of a big batch is copied out of the slot into memory of
+ * its own, so that keeping it (an eval loop's `labels.append(batch["label"])`)
+ * does not keep the whole slot (the epoch's images) as a view would: it then holds
+ * what torch's transport would hold. A storage of at most 1/FL_COPY_OUT_SHARE of
+ * the batch's data is copied, while the copies together stay within that share,
+ * so the copying costs at most that share of the batch's bytes. A batch under
+ * FL_COPY_OUT_FLOOR copies nothing: its slot is a few pages, about what torch's
+ * transport holds per kept tensor (a page and a file descriptor). So a kept
+ * tensor keeps at most ~max(FL_COPY_OUT_SHARE x its bytes, FL_COPY_OUT_FLOOR). */
+#define FL_COPY_OUT_SHARE 16
+#define FL_COPY_OUT_FLOOR 65536
 
 static PyObject *
 corrupt(const char *what)
@@ -1085,16 +1098,33 @@ take(dec *d, void *out, size_t n)
 
 static PyObject *dec_obj(dec *d, int depth);
 
-/* an ndarray over `len` bytes of the data area, whose base is the batch owner */
+static int
+copied_out(dec *d, size_t nbytes)
+{
+    if (nbytes > d->copy_left)
+        return 0;
+    d->copy_left -= nbytes;
+    return 1;
+}
+
+/* an ndarray over `nbytes` bytes of the data area, whose base is the batch owner,
+ * or a copy of them (copied_out); the caller has checked the extent */
 static PyObject *
 view_of_data(dec *d, PyArray_Descr *descr, int ndim, npy_intp *dims, uint64_t off,
-             int fortran)
+             size_t nbytes, int fortran)
 {
     /* The encoder places every block at FL_DATA_ALIGN; a misaligned one is not
      * ours, and torch's kernels assume aligned elements. */
     if (((uintptr_t)(d->data + off)) % (size_t)PyDataType_ALIGNMENT(descr) != 0) {
         Py_DECREF(descr);
         return corrupt("data alignment");
+    }
+    if (copied_out(d, nbytes)) {
+        PyObject *own = PyArray_NewFromDescr(&PyArray_Type, descr, ndim, dims, NULL, NULL,
+                                             fortran ? NPY_ARRAY_F_CONTIGUOUS : 0, NULL);
+        if (own != NULL && nbytes > 0)
+            memcpy(PyArray_DATA((PyArrayObject *)own), d->data + off, nbytes);
+        return own;
     }
     PyObject *arr = PyArray_NewFromDescr(&PyArray_Type, descr, ndim, dims, NULL,
                                          (void *)(d->data + off),
@@ -1136,7 +1166,7 @@ dec_array(dec *d, int *typenum_out, int fortran)
         Py_DECREF(descr);
         return PyErr_Occurred() ? NULL : corrupt("array extent");
     }
-    PyObject *arr = view_of_data(d, descr, (int)ndim, dims, off, fortran);
+    PyObject *arr = view_of_data(d, descr, (int)ndim, dims, off, nbytes, fortran);
     if (arr == NULL)
         return NULL;
     *typenum_out = typenum;
@@ -1225,7 +1255,7 @@ dec_tensor(dec *d)
         }
         return call_view_hook(d, src, code, rg, 0, ndim, sizes, strides);
     }
-    PyObject *arr = view_of_data(d, descr, (int)ndim, dims, d->stab[sidx].off, 0);
+    PyObject *arr = view_of_data(d, descr, (int)ndim, dims, d->stab[sidx].off, nbytes, 0);
     if (arr == NULL)
         return NULL;
     PyObject *t;
@@ -1294,7 +1324,8 @@ dec_tensor_view(dec *d)
     PyObject *src = d->stor_obj[sidx], *fresh = NULL;
     if (src == NULL) {
         npy_intp n = (npy_intp)e->nbytes;
-        fresh = view_of_data(d, PyArray_DescrFromType(NPY_UINT8), 1, &n, e->off, 0);
+        fresh = view_of_data(d, PyArray_DescrFromType(NPY_UINT8), 1, &n, e->off,
+                             (size_t)e->nbytes, 0);
         if (fresh == NULL)
             return NULL;
         src = fresh;
@@ -1646,7 +1677,8 @@ fl_decode(fl_state *st, const uint8_t *base, size_t cap, PyObject *owner)
         return corrupt("header extents");
     const uint8_t *stream = base + FL_STREAM_OFF + h.stab_len;
     dec d = {st, base, stream, stream + h.stream_len, base + h.data_off,
-             (size_t)(h.total - h.data_off), owner, NULL, 0, NULL, NULL, 0, 0};
+             (size_t)(h.total - h.data_off), owner, NULL, 0, NULL, NULL, 0, 0, 0};
+    d.copy_left = d.data_len >= FL_COPY_OUT_FLOOR ? d.data_len / FL_COPY_OUT_SHARE : 0;
     d.nstor = (size_t)(h.stab_len / sizeof(fl_stab_entry));
     if (d.nstor) {
         d.stab = PyMem_Malloc(h.stab_len);

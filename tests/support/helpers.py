@@ -126,6 +126,24 @@ def span_in_segments(span, segments):
     return any(addr <= start and end <= addr + nbytes for addr, nbytes in segments)
 
 
+# The decoder's rule (csrc/codec.c, FL_COPY_OUT_*): in a batch of at least 64 KiB of
+# data, a storage of at most 1/16 of it is copied out of the slot (so that keeping
+# it does not keep the slot), while the copies together stay within that 1/16.
+COPY_OUT_SHARE, COPY_OUT_FLOOR = 16, 65536
+
+
+def may_be_copied_out(t, batch):
+    """Whether the decoder may have copied tensor `t` of `batch` out of its slot: an
+    upper bound on its batch's data area (every tensor's storage bytes, each block
+    padded to 64) against the rule above."""
+    storages = {}
+    for x in iter_tensors(batch):
+        s = x.untyped_storage()
+        storages[s.data_ptr()] = s.nbytes()
+    data = sum(n + 64 for n in storages.values())
+    return data >= COPY_OUT_FLOOR and t.untyped_storage().nbytes() * COPY_OUT_SHARE <= data
+
+
 # ---- never hang ---------------------------------------------------------------------
 
 class DeadlineExceeded(BaseException):
