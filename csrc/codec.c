@@ -1076,7 +1076,7 @@ typedef struct {
  * transport holds per kept tensor (a page and a file descriptor). So a kept
  * tensor keeps at most ~max(FL_COPY_OUT_SHARE x its bytes, FL_COPY_OUT_FLOOR). */
 #define FL_COPY_OUT_SHARE 16
-#define FL_COPY_OUT_FLOOR 65536
+#define FL_COPY_OUT_FLOOR 16384
 
 static PyObject *
 corrupt(const char *what)

@@ -126,10 +126,10 @@ def span_in_segments(span, segments):
     return any(addr <= start and end <= addr + nbytes for addr, nbytes in segments)
 
 
-# The decoder's rule (csrc/codec.c, FL_COPY_OUT_*): in a batch of at least 64 KiB of
+# The decoder's rule (csrc/codec.c, FL_COPY_OUT_*): in a batch of at least 16 KiB of
 # data, a storage of at most 1/16 of it is copied out of the slot (so that keeping
 # it does not keep the slot), while the copies together stay within that 1/16.
-COPY_OUT_SHARE, COPY_OUT_FLOOR = 16, 65536
+COPY_OUT_SHARE, COPY_OUT_FLOOR = 16, 16384
 
 
 def may_be_copied_out(t, batch):

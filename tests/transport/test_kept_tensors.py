@@ -133,7 +133,7 @@ def test_copied_out_tensors_keep_their_aliasing():
 
 
 def test_a_small_batch_copies_nothing():
-    """Under 64 KiB of data a batch's slot is a few pages, about what torch holds per
+    """Under 16 KiB of data a batch's slot is a few pages, about what torch holds per
     kept tensor: its labels stay views, and the batch arrives with no copy."""
     loader = fastloader.DataLoader(Images(image=(16,), n=BATCH * 4), batch_size=BATCH,
                                    num_workers=2, multiprocessing_context="fork")
