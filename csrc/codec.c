@@ -1063,20 +1063,27 @@ typedef struct {
     PyObject **stor_obj;     /* per storage: the first tensor decoded on it */
     PyObject **memo;
     size_t nmemo, memocap;
-    size_t copy_left;        /* bytes this batch may still copy out (copied_out) */
+    size_t copy_left;        /* bytes this batch may still copy out by share (copied_out) */
 } dec;
 
 /* A small tensor or array of a big batch is copied out of the slot into memory of
  * its own, so that keeping it (an eval loop's `labels.append(batch["label"])`)
  * does not keep the whole slot (the epoch's images) as a view would: it then holds
- * what torch's transport would hold. A storage of at most 1/FL_COPY_OUT_SHARE of
- * the batch's data is copied, while the copies together stay within that share,
- * so the copying costs at most that share of the batch's bytes. A batch under
- * FL_COPY_OUT_FLOOR copies nothing: its slot is a few pages, about what torch's
- * transport holds per kept tensor (a page and a file descriptor). So a kept
- * tensor keeps at most ~max(FL_COPY_OUT_SHARE x its bytes, FL_COPY_OUT_FLOOR). */
-#define FL_COPY_OUT_SHARE 16
+ * what torch's transport would hold.
+ * - A batch under FL_COPY_OUT_FLOOR copies nothing: its slot is a few pages, about
+ *   what torch's transport holds per kept tensor (a page and a file descriptor).
+ * - A storage of at most 1/FL_COPY_OUT_TINY of the batch and FL_COPY_OUT_TINY_MAX
+ *   bytes is always copied, wherever it lies in the batch: its copy costs about
+ *   what making its Python object does.
+ * - A bigger one of at most 1/FL_COPY_OUT_SHARE of the batch is copied while all
+ *   the copies stay within that share of its bytes (in the order they are met).
+ * So a kept tensor keeps at most ~FL_COPY_OUT_SHARE times its bytes (or a small
+ * batch's few pages), unless other pieces of its batch took that share first. A
+ * storage of no bytes stays a view (a tensor's gets a storage of its own anyway). */
 #define FL_COPY_OUT_FLOOR 16384
+#define FL_COPY_OUT_TINY 256
+#define FL_COPY_OUT_TINY_MAX 65536
+#define FL_COPY_OUT_SHARE 16
 
 static PyObject *
 corrupt(const char *what)
@@ -1101,6 +1108,12 @@ static PyObject *dec_obj(dec *d, int depth);
 static int
 copied_out(dec *d, size_t nbytes)
 {
+    if (nbytes == 0 || d->data_len < FL_COPY_OUT_FLOOR)
+        return 0;
+    if (nbytes <= d->data_len / FL_COPY_OUT_TINY && nbytes <= FL_COPY_OUT_TINY_MAX) {
+        d->copy_left -= nbytes < d->copy_left ? nbytes : d->copy_left;
+        return 1;
+    }
     if (nbytes > d->copy_left)
         return 0;
     d->copy_left -= nbytes;
@@ -1678,7 +1691,7 @@ fl_decode(fl_state *st, const uint8_t *base, size_t cap, PyObject *owner)
     const uint8_t *stream = base + FL_STREAM_OFF + h.stab_len;
     dec d = {st, base, stream, stream + h.stream_len, base + h.data_off,
              (size_t)(h.total - h.data_off), owner, NULL, 0, NULL, NULL, 0, 0, 0};
-    d.copy_left = d.data_len >= FL_COPY_OUT_FLOOR ? d.data_len / FL_COPY_OUT_SHARE : 0;
+    d.copy_left = d.data_len / FL_COPY_OUT_SHARE;
     d.nstor = (size_t)(h.stab_len / sizeof(fl_stab_entry));
     if (d.nstor) {
         d.stab = PyMem_Malloc(h.stab_len);
