@@ -32,11 +32,15 @@ def run(rounds=50):
         held = []
         for i in range(rounds):
             size = 16 if i < rounds // 2 else 5000   # the second half grows the arena
+            z = torch.arange(6).reshape(2, 3) + i
+            # in the bigger batches the small pieces (y, z and its transposed view)
+            # are copied out of the slot as they arrive (codec.c, copied_out)
             payload = {"x": torch.full((size,), float(i)), "y": np.arange(3) + i,
-                       "s": f"batch {i}", "o": [None, 1.5]}
+                       "z": z, "zt": z.t(), "s": f"batch {i}", "o": [None, 1.5]}
             wid, seq, kind, batch, where = exchange(main, worker, i, [i, i + 1], payload)
             assert (wid, seq, kind) == (0, i, _core.RES_BATCH)
             assert torch.equal(batch["x"], payload["x"]) and batch["s"] == payload["s"]
+            assert torch.equal(batch["zt"], z.t()) and list(batch["y"]) == list(payload["y"])
             if i % 7 == 0:
                 held.append(batch)       # some batches stay alive: overflow later
         assert all(float(b["x"][0]) == float(b["y"][0]) for b in held)
