@@ -46,9 +46,31 @@ def run(rounds=50):
         assert all(float(b["x"][0]) == float(b["y"][0]) for b in held)
         del held, batch
         gc.collect()
+        idle_release(main, worker, rounds)
         main.close()
         del main, worker
         gc.collect()
+
+
+def idle_release(main, worker, seq):
+    """A worker that waits over a second for a task gives its free slots' pages
+    back (channel_worker.c, release_idle_slots): wait on a thread (get_task releases
+    the GIL) until they are, then send the task."""
+    import threading
+    import time
+
+    got = []
+    assert main.stats()["arena_reserved_bytes"] > 0
+    waiter = threading.Thread(target=lambda: got.append(worker.get_task()))
+    waiter.start()
+    end = time.monotonic() + 30   # valgrind is slow
+    while main.stats()["arena_reserved_bytes"] and time.monotonic() < end:
+        time.sleep(0.1)
+    released = main.stats()["arena_reserved_bytes"]
+    assert main.put_index(seq, [0])
+    waiter.join(30)
+    assert got and got[0][1] == seq, got
+    assert released == 0, released
 
 
 def run_packed(tmpdir):

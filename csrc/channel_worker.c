@@ -138,6 +138,31 @@ drain_frees(WorkerChannelObject *w)
     }
 }
 
+/* A worker that has waited this long for a task (an epoch's end with persistent
+ * workers: a validation loop, a checkpoint, the rest of training) gives back the
+ * pages of every free slot, and of each slot freed later while it still waits: its
+ * ring then holds no memory between epochs, as torch's workers hold no shared
+ * memory then. Within an epoch a worker waits this long only behind a consumer
+ * that takes longer per batch, against which reserving a slot again (a fallocate,
+ * then the page faults of one batch) costs nothing measurable. */
+#define FL_IDLE_RELEASE_NS (1000ull * 1000 * 1000)
+
+static void
+release_idle_slots(WorkerChannelObject *w)
+{
+    if (w->arena == NULL || w->reserved == NULL)
+        return;
+    for (uint32_t i = 0; i < w->nslots; i++) {
+        size_t have = w->reserved[i];
+        if (w->busy[i] || have == 0)
+            continue;
+        if (fl_shm_release(w->arena_fd, (size_t)i * w->slot_size, have) < 0)
+            continue;
+        w->reserved[i] = 0;
+        atomic_fetch_sub(&w->ctl->arena_reserved, have);
+    }
+}
+
 static PyObject *
 task_to_python(const fl_task_hdr *h, const uint8_t *p)
 {
@@ -234,6 +259,8 @@ workerchan_get_task(WorkerChannelObject *w, PyObject *Py_UNUSED(ignored))
             return Py_BuildValue("(ILN)", (unsigned)h.kind, (long long)h.seq, idx);
         }
         drain_frees(w);
+        if (fl_now_ns() - entered >= FL_IDLE_RELEASE_NS)
+            release_idle_slots(w);
         int spun;
         Py_BEGIN_ALLOW_THREADS
         spun = fl_spin_wait(&w->spin, FL_SPIN_MAX_NS, task_ready, &w->ring);

@@ -126,6 +126,22 @@ def span_in_segments(span, segments):
     return any(addr <= start and end <= addr + nbytes for addr, nbytes in segments)
 
 
+def ring_bytes():
+    """Memory of the ring segments (memfd or /dev/shm files) this process maps: the
+    pages each holds (st_blocks; the main process touches only the bytes it reads,
+    so its RSS does not show them), each segment once."""
+    held = {}
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            parts = line.split(maxsplit=5)
+            path = parts[5].strip() if len(parts) > 5 else ""
+            if not ("memfd:fastloader" in path or path.startswith("/dev/shm/fastloader-")):
+                continue
+            st = os.stat(f"/proc/self/map_files/{parts[0]}")   # root, as the suite runs
+            held[st.st_dev, st.st_ino] = st.st_blocks * 512
+    return sum(held.values())
+
+
 # The decoder's rule (csrc/codec.c, FL_COPY_OUT_*): in a batch of at least 16 KiB of
 # data, a storage of at most 1/16 of it is copied out of the slot (so that keeping
 # it does not keep the slot), while the copies together stay within that 1/16.

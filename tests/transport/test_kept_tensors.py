@@ -6,7 +6,6 @@ here, so the decoder copies a big batch's small tensors and arrays out of the sl
 (csrc/codec.c, FL_COPY_OUT_*): keeping them keeps no slot, and the ring does not grow
 by a batch for every label kept."""
 import gc
-import os
 import pickle
 
 import numpy as np
@@ -15,7 +14,7 @@ import torch
 import torch.utils.data
 
 import fastloader
-from tests.support.helpers import deadline, span_in_segments, tensor_span
+from tests.support.helpers import deadline, ring_bytes, span_in_segments, tensor_span
 
 pytestmark = [pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")]
 
@@ -53,25 +52,6 @@ def label_and_view_collate(samples):
     return batch
 
 
-def ring_bytes():
-    """Memory of the ring segments (memfd or /dev/shm files) this process maps: the
-    pages each holds (st_blocks; the main process touches only the bytes it reads,
-    so its RSS does not show them), each segment once. What kept batches cost."""
-    held = {}
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            parts = line.split(maxsplit=5)
-            path = parts[5].strip() if len(parts) > 5 else ""
-            if not ("memfd:fastloader" in path or path.startswith("/dev/shm/fastloader-")):
-                continue
-            st = os.stat(f"/proc/self/map_files/{parts[0]}")   # root, as the suite runs
-            held[st.st_dev, st.st_ino] = st.st_blocks * 512
-    return sum(held.values())
-
-
-# 819 floats per sample: the batch's features are just under 1/16 of its bytes, all
-# the copying a batch may do by share, met before the labels (found by review: the
-# labels then stayed views and each kept one kept its batch, 64 MiB here)
 @pytest.mark.parametrize("strategy,feature", [
     ("file_descriptor", 0), ("file_system", 0), ("file_descriptor", 819)])
 def test_keeping_each_batchs_labels_keeps_no_batch(strategy, feature):
