@@ -67,4 +67,3 @@ def test_idle_persistent_workers_give_their_ring_back(strategy):
             wait_for("the held batch's slot released", lambda: reserved(it) == 0)
             wait_for("the pages gone from the segments", lambda: ring_bytes() < BATCH_BYTES)
         # the next epoch reserved them again as it needed them (the loop above ran twice)
-    del it, loader
