@@ -138,14 +138,16 @@ drain_frees(WorkerChannelObject *w)
     }
 }
 
-/* A worker that has waited this long for a task (an epoch's end with persistent
- * workers: a validation loop, a checkpoint, the rest of training) gives back the
+/* A worker that has waited this long for a task (persistent workers between
+ * epochs: a validation loop, a checkpoint, the rest of training) gives back the
  * pages of every free slot, and of each slot freed later while it still waits: its
  * ring then holds no memory between epochs, as torch's workers hold no shared
- * memory then. Within an epoch a worker waits this long only behind a consumer
- * that takes longer per batch, against which reserving a slot again (a fallocate,
- * then the page faults of one batch) costs nothing measurable. */
-#define FL_IDLE_RELEASE_NS (1000ull * 1000 * 1000)
+ * memory then. The next epoch reserves and faults those pages in again (~50 ms for
+ * 2 workers' slots of 9 MiB image batches, 55 MiB), so a short pause keeps them:
+ * a second was measured to slow such a persistent epoch run after 1.5 s from 63 to
+ * 116 ms. Within an epoch a worker waits this long only behind a consumer taking
+ * longer per batch, against which a batch's page faults are nothing. */
+#define FL_IDLE_RELEASE_NS (5000ull * 1000 * 1000)
 
 static void
 release_idle_slots(WorkerChannelObject *w)
