@@ -53,20 +53,22 @@ def run(rounds=50):
 
 
 def idle_release(main, worker, seq):
-    """A worker that waits over 5 s for a task gives its free slots' pages
-    back (channel_worker.c, release_idle_slots): wait on a thread (get_task releases
-    the GIL) until they are, then send the task."""
+    """A worker told its epoch is over that waits over 5 s for a task gives its
+    free slots' pages back (channel_worker.c, release_idle_slots): wait on a thread
+    (get_task releases the GIL) until they are, then send the task."""
     import threading
     import time
 
     got = []
     assert main.stats()["arena_reserved_bytes"] > 0
+    main.between_epochs(True)
     waiter = threading.Thread(target=lambda: got.append(worker.get_task()))
     waiter.start()
     end = time.monotonic() + 60   # valgrind is slow
     while main.stats()["arena_reserved_bytes"] and time.monotonic() < end:
         time.sleep(0.1)
     released = main.stats()["arena_reserved_bytes"]
+    main.between_epochs(False)
     assert main.put_index(seq, [0])
     waiter.join(30)
     assert got and got[0][1] == seq, got

@@ -587,6 +587,23 @@ mainchan_stop(MainChannelObject *c, PyObject *Py_UNUSED(ignored))
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(mainchan_between_epochs_doc,
+"between_epochs($self, over)\n--\n\n"
+"Tell a persistent worker whether its epoch is over (True once the iterator ended\n"
+"it, False before the next epoch's TASK_RESUME): one idle long enough between\n"
+"epochs gives its free slots' pages back.");
+
+static PyObject *
+mainchan_between_epochs(MainChannelObject *c, PyObject *over)
+{
+    int flag = PyObject_IsTrue(over);
+    if (flag < 0)
+        return NULL;
+    if (!c->closed && c->ctl != NULL && c->owner_pid == fl_self_pid())
+        atomic_store_explicit(&c->ctl->between_epochs, (uint32_t)flag, memory_order_relaxed);
+    Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(mainchan_offer_task_doc,
 "offer_task($self, kind, seq, payload=b'')\n--\n\n"
 "put_task, but returns False instead of raising when the ring has no room for the\n"
@@ -883,6 +900,8 @@ static PyMethodDef mainchan_methods[] = {
     {"put_task", (PyCFunction)mainchan_put_task, METH_VARARGS, mainchan_put_task_doc},
     {"offer_task", (PyCFunction)mainchan_offer_task, METH_VARARGS, mainchan_offer_task_doc},
     {"stop", (PyCFunction)mainchan_stop, METH_NOARGS, mainchan_stop_doc},
+    {"between_epochs", (PyCFunction)mainchan_between_epochs, METH_O,
+     mainchan_between_epochs_doc},
     {"stats", (PyCFunction)mainchan_stats, METH_NOARGS, PyDoc_STR("stats() -> dict")},
     {"arena", (PyCFunction)mainchan_arena, METH_NOARGS,
      PyDoc_STR("arena() -> (address, nbytes) of the current ring arena, or None")},

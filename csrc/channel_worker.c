@@ -138,15 +138,16 @@ drain_frees(WorkerChannelObject *w)
     }
 }
 
-/* A worker that has waited this long for a task (persistent workers between
- * epochs: a validation loop, a checkpoint, the rest of training) gives back the
- * pages of every free slot, and of each slot freed later while it still waits: its
- * ring then holds no memory between epochs, as torch's workers hold no shared
- * memory then. The next epoch reserves and faults those pages in again (~50 ms for
- * 2 workers' slots of 9 MiB image batches, 55 MiB), so a short pause keeps them:
- * a second was measured to slow such a persistent epoch run after 1.5 s from 63 to
- * 116 ms. Within an epoch a worker waits this long only behind a consumer taking
- * longer per batch, against which a batch's page faults are nothing. */
+/* A persistent worker whose epoch is over (the main process says so: ctl's
+ * between_epochs) and that has waited this long for a task (a validation loop, a
+ * checkpoint, the rest of training) gives back the pages of every free slot, and
+ * of each slot freed later while it still waits: its ring then holds no memory
+ * between epochs, as torch's workers hold no shared memory then. The next epoch
+ * reserves and faults those pages in again (~50 ms for 2 workers' slots of 9 MiB
+ * image batches, 55 MiB; in the main process too, whose mapping lost them), so a
+ * short pause keeps them: a release after 1 s slowed an epoch started 1.5 s after
+ * the last from 63 to 116 ms. Never within an epoch, however slow the consumer:
+ * there each batch would pay those faults (found by review). */
 #define FL_IDLE_RELEASE_NS (5000ull * 1000 * 1000)
 
 static void
@@ -261,7 +262,8 @@ workerchan_get_task(WorkerChannelObject *w, PyObject *Py_UNUSED(ignored))
             return Py_BuildValue("(ILN)", (unsigned)h.kind, (long long)h.seq, idx);
         }
         drain_frees(w);
-        if (fl_now_ns() - entered >= FL_IDLE_RELEASE_NS)
+        if (atomic_load_explicit(&w->ctl->between_epochs, memory_order_relaxed) &&
+            fl_now_ns() - entered >= FL_IDLE_RELEASE_NS)
             release_idle_slots(w);
         int spun;
         Py_BEGIN_ALLOW_THREADS

@@ -79,6 +79,10 @@ typedef struct {
      * would take reads as FL_TASK_SHUTDOWN, so the tasks queued behind it are
      * skipped (as torch's workers skip their queued indices once told to stop) */
     _Alignas(FL_CL) _Atomic uint32_t stop;
+    /* set by the main process while a persistent worker's epoch is over (its
+     * iterator ended it; cleared before the next epoch's TASK_RESUME): a worker
+     * idle long enough then gives its free slots' pages back (channel_worker.c) */
+    _Atomic uint32_t between_epochs;
 } fl_ctl;
 
 /* The rings' geometry, copied into each side's own memory when it attaches: the

@@ -322,6 +322,8 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
         if not first_iter:
             # an IterDataPipe gets the epoch's new shared seed with the resume
             seed = pickle.dumps(self._shared_seed)
+            for ch in self._channels:
+                ch.between_epochs(False)
             unsent = list(self._channels)
             waiting = self._num_workers
             while waiting > 0:
@@ -489,6 +491,10 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
                     _stats.print_summary(self.stats(memory=False))
                 if not self._persistent_workers:
                     self._shutdown_workers(deferred=True)
+                else:
+                    # idle long enough, they give their free slots' pages back
+                    for ch in self._channels:
+                        ch.between_epochs(True)
                 raise StopIteration
 
             if len(info) == 2:

@@ -318,7 +318,14 @@ class _Loop:
         # state_dict() taken before this worker's first batch of the epoch arrives;
         # the first task's snapshot is the same one (the dataset is asked once)
         self.ready_snapshot = _resume.take_snapshot(self.dataset, 0)
-        self.chan.publish(RES_RESUMED, seq, self.ready_snapshot)
+        try:
+            self.chan.publish(RES_RESUMED, seq, self.ready_snapshot)
+        except Exception:
+            # no shared memory for the snapshot (/dev/shm full: the slots' pages
+            # were given back between epochs, csrc/channel_worker.c): the epoch
+            # starts all the same (the first task carries the snapshot too), and its
+            # first batch raises the MemoryError in its turn if memory is still short
+            self.chan.publish(RES_RESUMED, seq)
 
     def on_control(self, message):
         """Resume messages from the main process (resume.py)."""

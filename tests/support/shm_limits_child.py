@@ -222,8 +222,43 @@ def scribbled_task_head(strategy):
     return got
 
 
+def next_epoch_after_release(strategy):
+    """A persistent worker gives its free slots' pages back between epochs; when
+    /dev/shm is full at the next epoch's start, even the worker's acknowledgement
+    of TASK_RESUME needs a new page: it must not kill the worker (it did, found by
+    review: "exited unexpectedly"); each batch raises its MemoryError in its turn.
+    Returns (outcome per next(), whether the same worker served both epochs)."""
+    import time
+
+    from fastloader import DataLoader
+
+    loader = DataLoader(Blobs(4, 256 << 10), batch_size=None, num_workers=1,
+                        persistent_workers=True, sharing_strategy=strategy,
+                        multiprocessing_context="fork")
+    it = iter(loader)
+    first = [float(b[0]) for b in it]
+    pid = it.worker_pids[0]
+    deadline = time.monotonic() + 120
+    while it.stats(memory=False)["workers"][0]["arena_reserved_bytes"]:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the idle worker kept its slots' pages")
+        time.sleep(0.05)
+    fill_shm()
+    it = iter(loader)
+    got = [first]
+    for _ in range(4):
+        try:
+            got.append(float(next(it)[0]))
+        except StopIteration:
+            break
+        except Exception as exc:   # the caller asserts on each
+            got.append([type(exc).__name__, str(exc)])
+    return got, it.worker_pids == [pid]
+
+
 SCENARIOS = {f.__name__: f for f in (control_block, arena, overflow, packed_build,
-                                     packed_share, task_ring, scribbled_task_head)}
+                                     packed_share, task_ring, scribbled_task_head,
+                                     next_epoch_after_release)}
 
 
 def main():
