@@ -138,8 +138,8 @@ drain_frees(WorkerChannelObject *w)
     }
 }
 
-/* A persistent worker whose epoch is over (the main process says so: ctl's
- * between_epochs) and that has waited this long for a task (a validation loop, a
+/* A persistent worker whose epoch has been over this long (the main process says
+ * so: ctl's between_epochs) while it waits for a task (a validation loop, a
  * checkpoint, the rest of training) gives back the pages of every free slot, and
  * of each slot freed later while it still waits: its ring then holds no memory
  * between epochs, as torch's workers hold no shared memory then. The next epoch
@@ -235,7 +235,7 @@ task_ready(void *ring)
 static PyObject *
 workerchan_get_task(WorkerChannelObject *w, PyObject *Py_UNUSED(ignored))
 {
-    uint64_t entered = fl_now_ns();
+    uint64_t entered = fl_now_ns(), over_since = 0;
     if (w->last_task_ns)
         atomic_fetch_add_explicit(&w->ctl->busy_ns, entered - w->last_task_ns,
                                   memory_order_relaxed);
@@ -262,8 +262,13 @@ workerchan_get_task(WorkerChannelObject *w, PyObject *Py_UNUSED(ignored))
             return Py_BuildValue("(ILN)", (unsigned)h.kind, (long long)h.seq, idx);
         }
         drain_frees(w);
-        if (atomic_load_explicit(&w->ctl->between_epochs, memory_order_relaxed) &&
-            fl_now_ns() - entered >= FL_IDLE_RELEASE_NS)
+        /* the wait counts from the epoch's end, not from this worker's last task:
+         * behind a slow loop the workers wait long before it (found by review) */
+        if (!atomic_load_explicit(&w->ctl->between_epochs, memory_order_relaxed))
+            over_since = 0;
+        else if (over_since == 0)
+            over_since = fl_now_ns();
+        else if (fl_now_ns() - over_since >= FL_IDLE_RELEASE_NS)
             release_idle_slots(w);
         int spun;
         Py_BEGIN_ALLOW_THREADS

@@ -333,8 +333,10 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
                 wid, seq, kind, data, _where = self._get_data()
                 if kind == RES_RESUMED:
                     waiting -= 1
-                    if data is not None:   # a copy: it must not pin a ring slot
-                        self._tracker.epoch_started(wid, copy.deepcopy(data))
+                    # a copy: it must not pin a ring slot (None: the worker had no
+                    # shared memory to send it, worker.py on_resume)
+                    self._tracker.epoch_started(
+                        wid, copy.deepcopy(data) if data is not None else None)
                 # anything else is left over from an abandoned epoch: dropped
         state, self._resume_state = self._resume_state, None
         if state is not None and not state.get("epoch_done"):

@@ -320,11 +320,12 @@ class _Loop:
         self.ready_snapshot = _resume.take_snapshot(self.dataset, 0)
         try:
             self.chan.publish(RES_RESUMED, seq, self.ready_snapshot)
-        except Exception:
+        except MemoryError:
             # no shared memory for the snapshot (/dev/shm full: the slots' pages
             # were given back between epochs, csrc/channel_worker.c): the epoch
-            # starts all the same (the first task carries the snapshot too), and its
-            # first batch raises the MemoryError in its turn if memory is still short
+            # starts all the same (the first task carries the snapshot too; until
+            # it arrives state_dict() refuses, resume.EpochTracker), and its first
+            # batch raises the MemoryError in its turn if memory is still short
             self.chan.publish(RES_RESUMED, seq)
 
     def on_control(self, message):
