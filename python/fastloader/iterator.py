@@ -325,7 +325,7 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
             for ch in self._channels:
                 ch.between_epochs(False)
             unsent = list(self._channels)
-            waiting = self._num_workers
+            waiting, unsent_state = self._num_workers, []
             while waiting > 0:
                 # a ring still full of an abandoned epoch's tasks takes the resume
                 # once its worker has read on
@@ -333,11 +333,23 @@ class FastMultiProcessingIter(_BaseDataLoaderIter):
                 wid, seq, kind, data, _where = self._get_data()
                 if kind == RES_RESUMED:
                     waiting -= 1
-                    # a copy: it must not pin a ring slot (None: the worker had no
-                    # shared memory to send it, worker.py on_resume)
-                    self._tracker.epoch_started(
-                        wid, copy.deepcopy(data) if data is not None else None)
+                    if data is None:
+                        unsent_state.append(wid)
+                    else:   # a copy: it must not pin a ring slot
+                        self._tracker.epoch_started(wid, copy.deepcopy(data))
                 # anything else is left over from an abandoned epoch: dropped
+            if unsent_state:
+                # The worker had no shared memory to send its RNGs' state with (its
+                # slots' pages were given back between epochs, and /dev/shm or the
+                # memory limit is full: worker.py on_resume). Without it a
+                # state_dict() of this epoch would resume other random numbers:
+                # the epoch does not start; the workers live on, and the next
+                # iter() asks them again.
+                raise MemoryError(
+                    f"fastloader: DataLoader worker(s) {unsent_state} found no shared "
+                    "memory to start the epoch with (to send their random state, "
+                    "which state_dict() needs); shared memory (/dev/shm, or the "
+                    "memory limit for memfd) is full: free some and call iter() again")
         state, self._resume_state = self._resume_state, None
         if state is not None and not state.get("epoch_done"):
             # the epoch's starting RNG, for a later state_dict(): the fast-forward

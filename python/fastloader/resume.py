@@ -84,15 +84,11 @@ class EpochTracker:
         self.epoch_tasks = [SeqRuns() for _ in range(num_workers)]
         self.ahead = set()   # in_order=False: delivered seqs past the next one due
         self._prune_at = 64   # (the seqs the cursor has passed are dropped now and then)
-        # persistent workers whose snapshot at this epoch's start did not arrive (no
-        # shared memory for it): unknown until one comes with a batch
-        self.unknown_start = set()
 
     def delivered(self, worker: int, seq: int, snap) -> None:
         """Batch `seq` came from `worker`, with the snapshot taken before it (or None),
         which may hold the one taken after it (see `with_state_after_first_task`)."""
         if snap is not None:
-            self.unknown_start.discard(worker)
             after = snap.pop("after", None)
             entry = (seq, snap)
             if self.epoch_snap[worker] is None:
@@ -110,11 +106,7 @@ class EpochTracker:
     def epoch_started(self, worker: int, snap) -> None:
         """A persistent worker's snapshot as a new epoch began: its RNGs carry on
         from the last epoch, so until its first batch of this epoch arrives (with
-        the same snapshot), this is the one a resume must restore. None: it could
-        not be sent; state_dict() refuses until a batch brings it."""
-        if snap is None:
-            self.unknown_start.add(worker)
-            return
+        the same snapshot), this is the one a resume must restore."""
         entry = (-1, snap)
         self.snap[worker] = self.epoch_snap[worker] = entry
         self.since_snap[worker] = SeqRuns()
@@ -133,14 +125,6 @@ class EpochTracker:
 
     def worker_states(self, active, dataset) -> list:
         """state_dict()["workers"]: what each worker restores and replays."""
-        if self.unknown_start:
-            # restoring nothing would start those workers' RNGs afresh: a resumed
-            # run that silently draws other numbers than the one it resumes
-            raise RuntimeError(
-                "state_dict(): the random state of DataLoader worker(s) "
-                f"{sorted(self.unknown_start)} at this epoch's start did not reach the "
-                "main process (no shared memory was left to send it); take the "
-                "state after their first batch of the epoch has arrived")
         workers = []
         for wid, is_active in enumerate(active):
             entry = self.snap[wid]

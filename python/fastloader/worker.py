@@ -322,10 +322,9 @@ class _Loop:
             self.chan.publish(RES_RESUMED, seq, self.ready_snapshot)
         except MemoryError:
             # no shared memory for the snapshot (/dev/shm full: the slots' pages
-            # were given back between epochs, csrc/channel_worker.c): the epoch
-            # starts all the same (the first task carries the snapshot too; until
-            # it arrives state_dict() refuses, resume.EpochTracker), and its first
-            # batch raises the MemoryError in its turn if memory is still short
+            # were given back between epochs, csrc/channel_worker.c): a bare
+            # acknowledgement, which makes iter() raise the MemoryError in the main
+            # process (iterator._reset); this worker lives on for the next iter()
             self.chan.publish(RES_RESUMED, seq)
 
     def on_control(self, message):

@@ -116,29 +116,38 @@ class Noise(torch.utils.data.Dataset):
         return torch.rand(3)
 
 
-def test_an_epoch_start_whose_snapshot_did_not_arrive_refuses_state_dict(monkeypatch):
-    """The acknowledgement goes bare then; a state_dict() taken before the worker's
-    first batch would restore nothing, and the resumed run would silently draw
-    other numbers (found by review): it raises, until the batches bring it."""
+_STARVED = []   # per worker process (forked): the resumes it was refused memory for
+
+
+def test_an_epoch_start_with_no_memory_for_the_workers_state_is_a_memory_error(monkeypatch):
+    """Its acknowledgement goes bare then, without the worker's RNG state; an epoch
+    started so would let a state_dict() resume other random numbers (found by
+    review), so iter() raises MemoryError, the workers live on, and the next
+    iter() starts the epoch, whose state resumes exactly."""
     on_resume = worker_module._Loop.on_resume
 
-    def starved(self, seq, payload):
+    def starved_once(self, seq, payload):
+        if _STARVED:
+            return on_resume(self, seq, payload)
+        _STARVED.append(seq)
         chan, self.chan = self.chan, _NoRoomForTheSnapshot(self.chan)
         try:
             on_resume(self, seq, payload)
         finally:
             self.chan = chan
 
-    monkeypatch.setattr(worker_module._Loop, "on_resume", starved)   # forked workers
+    monkeypatch.setattr(worker_module._Loop, "on_resume", starved_once)   # forked workers
     torch.manual_seed(0)
     loader = fastloader.DataLoader(Noise(), batch_size=2, num_workers=2,
                                    persistent_workers=True, multiprocessing_context="fork")
     with deadline(120):
         assert len(list(loader)) == 8
+        pids = list(loader._iterator.worker_pids)
+        with pytest.raises(MemoryError, match=r"worker\(s\) \[0, 1\] found no shared memory"):
+            iter(loader)
         it = iter(loader)
-        with pytest.raises(RuntimeError, match=r"worker\(s\) \[0, 1\] at this epoch's start"):
-            loader.state_dict()
-        first = [next(it), next(it)]   # one from each worker, with its snapshot
+        assert it.worker_pids == pids   # the same workers
+        first = [next(it), next(it)]
         state = loader.state_dict()
         rest = [b.clone() for b in it]
         resumed = fastloader.DataLoader(Noise(), batch_size=2, num_workers=2,
