@@ -3,14 +3,13 @@ batch's scores and targets in list states until compute() (as metrics over the w
 epoch must). Those are the batch's own small tensors: with fastloader each must hold
 its own bytes, not the ring slot of its batch (the images). Usage: LOADER OUT."""
 import gc
-import os
 
 import torch
 from torch.utils.data import Dataset
 from torchmetrics.classification import BinaryAUROC, BinaryAveragePrecision
 
 from tests.clients.client_common import loader_facts, parse_argv, save
-from tests.support.helpers import clone_batch
+from tests.support.helpers import RING_SEGMENTS, TORCH_SEGMENTS, clone_batch, ring_bytes
 
 BATCH, BATCHES, IMAGE = 32, 40, (3, 64, 64)   # 1.5 MiB of images per batch
 
@@ -24,21 +23,6 @@ class ScoredImages(Dataset):
         return {"image": torch.rand(IMAGE, generator=g),
                 "score": torch.rand((), generator=g),
                 "target": int(torch.randint(0, 2, (), generator=g))}
-
-
-def shared_bytes_held():
-    """Memory of the shared-memory segments this process maps (fastloader's ring,
-    torch's per-storage segments): the pages each holds, each segment once."""
-    held = {}
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            parts = line.split(maxsplit=5)
-            path = parts[5].strip() if len(parts) > 5 else ""
-            if "memfd:fastloader" in path or path.startswith(("/dev/shm/fastloader-",
-                                                               "/dev/shm/torch_")):
-                st = os.stat(f"/proc/self/map_files/{parts[0]}")
-                held[st.st_dev, st.st_ino] = st.st_blocks * 512
-    return sum(held.values())
 
 
 def main():
@@ -55,7 +39,9 @@ def main():
         batches.append(clone_batch({"score": batch["score"], "target": batch["target"]}))
         del batch
     gc.collect()
-    held = shared_bytes_held()   # while the metrics still hold every batch's tensors
+    # fastloader's ring and torch's per-storage segments, while the metrics still
+    # hold every batch's tensors
+    held = ring_bytes(RING_SEGMENTS + TORCH_SEGMENTS)
     kept = auroc.preds + auroc.target
     assert len(kept) == 2 * BATCHES, len(kept)
     save(out, batches=batches, loader=loader_facts(loader), held=held,

@@ -126,16 +126,22 @@ def span_in_segments(span, segments):
     return any(addr <= start and end <= addr + nbytes for addr, nbytes in segments)
 
 
-def ring_bytes():
-    """Memory of the ring segments (memfd or /dev/shm files) this process maps: the
-    pages each holds (st_blocks; the main process touches only the bytes it reads,
-    so its RSS does not show them), each segment once."""
+RING_SEGMENTS = ("memfd:fastloader", "/dev/shm/fastloader-")
+TORCH_SEGMENTS = ("/dev/shm/torch_",)   # torch's per-storage segments (unlinked)
+
+
+def ring_bytes(kinds=RING_SEGMENTS):
+    """Memory of the shared-memory segments this process maps whose path starts
+    with (or, for a memfd, holds) one of `kinds` (default: the ring's, memfd or
+    /dev/shm files): the pages each holds (st_blocks; the main process touches only
+    the bytes it reads, so its RSS does not show them), each segment once."""
     held = {}
     with open("/proc/self/maps") as maps:
         for line in maps:
             parts = line.split(maxsplit=5)
             path = parts[5].strip() if len(parts) > 5 else ""
-            if not ("memfd:fastloader" in path or path.startswith("/dev/shm/fastloader-")):
+            if not any(path.startswith(k) or (k.startswith("memfd:") and k in path)
+                       for k in kinds):
                 continue
             st = os.stat(f"/proc/self/map_files/{parts[0]}")   # root, as the suite runs
             held[st.st_dev, st.st_ino] = st.st_blocks * 512
@@ -143,8 +149,10 @@ def ring_bytes():
 
 
 # The decoder's rule (csrc/codec.c, FL_COPY_OUT_*): in a batch of at least 16 KiB of
-# data, a storage of at most 1/16 of it is copied out of the slot (so that keeping
-# it does not keep the slot), while the copies together stay within that 1/16.
+# data, a storage of at most 1/256 of it and 64 KiB is always copied out of the slot
+# (so that keeping it does not keep the slot), and one of at most 1/16 while the
+# copies together stay within 1/16 of the data. Both tiers lie within the 1/16 share,
+# which is the bound may_be_copied_out() checks.
 COPY_OUT_SHARE, COPY_OUT_FLOOR = 16, 16384
 
 
