@@ -344,6 +344,39 @@ def test_a_server_that_dies_while_two_workers_start_is_started_again_once(tmp_pa
     assert out["then"] not in (None, out["first"]) and out["ppid_b"] == [out["then"]]
 
 
+def test_a_worker_start_asks_the_server_through_its_own_python_s_protocol():
+    """The fix above reads the server's fields under its lock, but must still ask
+    through the server's own connect_to_new_process(): the protocol is each Python
+    version's (3.14's server first checks a key on the socket, which a copy of
+    3.11's steps would not answer: every worker start failed there). Checked with a
+    server whose connect_to_new_process() records what it was asked with."""
+    from multiprocessing import forkserver as mp_forkserver
+    from multiprocessing.connection import wait
+
+    from fastloader import spawn_server
+
+    asked = []
+
+    class Recording(mp_forkserver.ForkServer):
+        def connect_to_new_process(self, fds):
+            asked.append((self._forkserver_address, self._forkserver_pid))
+            return super().connect_to_new_process(fds)
+
+    server = Recording()
+    try:
+        status_r, data_w, pid = spawn_server._connect(server, [])
+        try:
+            os.close(data_w)   # the forked child reads nothing, and exits
+            assert wait([status_r], 120), "the server forked no child"
+            child = mp_forkserver.read_signed(status_r)
+        finally:
+            os.close(status_r)
+        assert child > 0 and pid == server._forkserver_pid
+        assert asked == [(server._forkserver_address, pid)]
+    finally:
+        server._stop()
+
+
 @pytest.mark.parametrize("workers,blob", [(2, 0), (1, 1 << 20)], ids=["small", "1MiB"])
 def test_a_hung_server_is_killed_and_replaced(tmp_path, workers, blob):
     """A server that stops answering (here: stopped; in life: deadlocked in a fork)

@@ -34,10 +34,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import copy
 import io
 import os
 import signal
-import socket
 import threading
 from multiprocessing import context as _mp_context
 from multiprocessing import forkserver as _mp_forkserver
@@ -290,43 +290,28 @@ class _Popen(popen_forkserver.Popen):
 
 
 def _connect(server, fds):
-    """Ask a multiprocessing ForkServer for a child, as its connect_to_new_process()
-    does, but with the server's address, "alive" fd and pid read together under its
-    lock. connect_to_new_process() reads them after it has let the lock go, and a
-    pool starts its workers from several threads: one that finds the server dead
-    clears them while it starts the next, and another thread read None (a
-    TypeError, not an error that starts the server again). Read under the lock they
-    are one server's: if it has died since, the connect or the send fails with an
-    OSError, which _launch() answers by starting the server again.
+    """server.connect_to_new_process(fds), with the server's address, "alive" fd
+    and pid read together under its lock. connect_to_new_process() reads them after
+    it has let the lock go, and a pool starts its workers from several threads: one
+    that finds the server dead clears them while it starts the next, and another
+    thread read None (a TypeError, not an error that starts the server again). So
+    the request goes through a copy of the server taken under the lock, whose
+    ensure_running() does nothing: the fields it reads are one server's, and if
+    that one has died since, the connect or the send fails with an OSError, which
+    _launch() answers by starting the server again. (Through CPython's own method,
+    so the protocol is each Python version's: 3.14 adds an authentication step.)
     Returns (the fd the child's pid and exit code come on, our end of its data
     pipe, the pid of the server asked)."""
     server.ensure_running()
     with server._lock:
-        address = server._forkserver_address
-        alive_fd, pid = server._forkserver_alive_fd, server._forkserver_pid
-    if address is None or alive_fd is None or pid is None:
+        one = copy.copy(server)
+    if (one._forkserver_address is None or one._forkserver_alive_fd is None
+            or one._forkserver_pid is None):
         # a start that failed in another thread: _launch() tries once more
         raise ConnectionError("fastloader's spawn server is not running")
-    if len(fds) + 4 >= _mp_forkserver.MAXFDS_TO_SEND:
-        raise ValueError("too many fds")
-    # the server reads, in this order: the child's data pipe (read end), its status
-    # pipe (write end), the alive fd, the resource tracker's fd, then the fds the
-    # process asked to be passed
-    status_r, status_w = os.pipe()
-    data_r, data_w = os.pipe()
-    try:
-        with socket.socket(socket.AF_UNIX) as client:
-            client.connect(address)
-            reduction.sendfds(client, [data_r, status_w, alive_fd,
-                                       resource_tracker.getfd(), *fds])
-    except BaseException:
-        os.close(status_r)
-        os.close(data_w)
-        raise
-    finally:
-        os.close(data_r)
-        os.close(status_w)
-    return status_r, data_w, pid
+    one.ensure_running = lambda: None   # checked above, under the lock
+    status_r, data_w = one.connect_to_new_process(fds)
+    return status_r, data_w, one._forkserver_pid
 
 
 # How long the server may take to fork a worker. One that has not answered by then
