@@ -348,7 +348,7 @@ def test_a_worker_start_asks_the_server_through_its_own_python_s_protocol():
     """The fix above reads the server's fields under its lock, but must still ask
     through the server's own connect_to_new_process(): the protocol is each Python
     version's (3.14's server first checks a key on the socket, which a copy of
-    3.11's steps would not answer: every worker start failed there). Checked with a
+    3.11's steps does not answer: every worker start would fail there). Checked with a
     server whose connect_to_new_process() records what it was asked with."""
     from multiprocessing import forkserver as mp_forkserver
     from multiprocessing.connection import wait
