@@ -30,6 +30,7 @@ import threading
 from multiprocessing import context as _mp_context
 from multiprocessing import forkserver as _mp_forkserver
 from multiprocessing import resource_tracker, util
+from multiprocessing.connection import wait as _wait_fds
 
 from .per_process import PerProcess
 from .sharing import resolve_start_method
@@ -115,6 +116,52 @@ def ensure_running() -> None:
     if server is not None:
         _replace_if_stale(server)
         start_server(server, preloading=add_preload())
+
+
+def has_died(server, timeout: float = 10.0) -> bool:
+    """Whether a ForkServer's process is dead or dies within `timeout` (it may be
+    dying), without reaping it: ensure_running() reaps it and starts a new one."""
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is None:
+        return True
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    except OSError:   # no pidfds (Linux < 5.3): it is not known to have died
+        return False
+    try:
+        # readable once it exits (multiprocessing's wait polls: an fd above 1023,
+        # which a process with many open files hands out, is fine)
+        return bool(_wait_fds([fd], timeout))
+    finally:
+        os.close(fd)
+
+
+# What a worker's start through the forkserver raises when the server died as it
+# started, before it could have forked the worker: Python's connect_to_new_process()
+# reads the server's address after letting go of its lock, so a thread whose check
+# found the server running reads None (TypeError) while another that found it dead
+# starts the next; a connect to a dead server's socket is refused or finds no file.
+# Not EOFError: the server may have forked the worker before it died (and been sent
+# its data), and a second start would give its channel two workers.
+_LOST_SERVER_ERRORS = (TypeError, ConnectionError, FileNotFoundError)
+
+
+def lost_during_start(exc: BaseException, pid_before) -> bool:
+    """Whether a worker's start failed with `exc` because the forkserver (pid
+    `pid_before` when the pool began starting workers) died as it started, before
+    it forked the worker: then starting it once more is safe, and starts the next
+    server (or uses the one another thread's start has started). The pool starts
+    workers from several threads at once, which torch does not."""
+    server = _server()
+    if pid_before is None or server is None or not isinstance(exc, _LOST_SERVER_ERRORS):
+        return False
+    if getattr(server, "_forkserver_pid", None) != pid_before:
+        return True   # replaced, or being replaced, by another thread's start
+    if isinstance(exc, TypeError):
+        return False   # the same server: a dataset that does not pickle, say
+    return has_died(server, timeout=5.0)
 
 
 def _replace_if_stale(server) -> None:

@@ -361,9 +361,19 @@ class WorkerPool:
         errors = [None] * len(procs)
         started = [False] * len(procs)
 
+        server_before = forkserver.server_pid() if method == "forkserver" else None
+
         def start(i):
             try:
-                procs[i].start()
+                try:
+                    procs[i].start()
+                except BaseException as exc:
+                    if not (method == "forkserver"
+                            and forkserver.lost_during_start(exc, server_before)):
+                        raise
+                    # the server died as this worker started, before it forked
+                    # it: once more, from the next server
+                    procs[i].start()
             except BaseException as exc:   # re-raised below, in the caller's thread
                 errors[i] = exc
                 # a refused fork: multiprocessing leaves the child's pipes open

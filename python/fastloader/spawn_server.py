@@ -247,7 +247,7 @@ class _Popen(popen_forkserver.Popen):
             # others use it.
             with _State.restart_lock:
                 if server._forkserver_pid == self._tried:
-                    if not _has_died(server):
+                    if not forkserver.has_died(server):
                         raise
                     forkserver.start_server(server, preloading=True)
             if self.finalizer is not None:
@@ -329,24 +329,6 @@ def _readable(fd: int, timeout: float) -> bool:
     # multiprocessing's wait polls (as reaper.py's does): select() cannot take an
     # fd above 1023, which a process with many open files hands out
     return bool(_wait_fds([fd], timeout))
-
-
-def _has_died(server, timeout: float = 10.0) -> bool:
-    """Whether the server's process is dead or dies within `timeout` (it may be
-    dying), without reaping it: ensure_running() reaps it and starts a new one."""
-    pid = getattr(server, "_forkserver_pid", None)
-    if pid is None:
-        return True
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return True
-    except OSError:   # no pidfds (Linux < 5.3): it is not known to have died
-        return False
-    try:
-        return _readable(fd, timeout)   # readable once it exits
-    finally:
-        os.close(fd)
 
 
 class _Served:
