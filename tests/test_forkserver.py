@@ -226,6 +226,48 @@ def test_a_server_that_dies_as_two_workers_start_is_started_again(how):
         assert out["raced"] == [True]
 
 
+def test_only_a_failed_connect_to_the_server_counts_as_a_server_lost_during_a_start(
+        monkeypatch):
+    """The retry above is for connects to a server that died. The same error
+    types raised elsewhere in a start (a dataset whose pickling opens a missing
+    file, a broken pipe writing the data to a child that failed to unpickle it)
+    are the user's: they must be raised as they are, without waiting up to 5 s for
+    a server that is fine (review: a BrokenPipeError from the data's write waited)."""
+    from multiprocessing import forkserver as mp_forkserver
+
+    from fastloader import forkserver
+
+    waited = []
+    monkeypatch.setattr(forkserver, "has_died", lambda *a, **k: waited.append(a) or True)
+    server = mp_forkserver.ForkServer()
+    server._forkserver_pid, server._forkserver_alive_fd = 999_999, 0
+    server._forkserver_address = "/nonexistent/fastloader-test-forkserver-socket"
+    server.ensure_running = lambda: None
+    monkeypatch.setattr(forkserver, "_server", lambda: server)
+
+    def raised(fn):
+        try:
+            fn()
+        except BaseException as exc:
+            return exc
+        raise AssertionError("nothing raised")
+
+    def pickling_opens_a_missing_file():
+        open("/nonexistent/fastloader-test-dataset-file")
+
+    def writing_to_a_child_that_exited():
+        raise BrokenPipeError(32, "Broken pipe")
+
+    for exc in (raised(pickling_opens_a_missing_file), raised(writing_to_a_child_that_exited)):
+        assert not forkserver.lost_during_start(exc, 999_999)
+    assert waited == []
+    connect = raised(lambda: server.connect_to_new_process([]))
+    assert isinstance(connect, FileNotFoundError)
+    assert forkserver.lost_during_start(connect, 999_999) and len(waited) == 1
+    server._forkserver_pid = 1_000_000   # another thread's start replaced it
+    assert forkserver.lost_during_start(connect, 999_999) and len(waited) == 1
+
+
 def test_a_start_the_program_makes_from_another_thread_keeps_the_server():
     """A thread of the program starts its own forkserver process as the loader is
     built; the server is still importing torch, so the request waits in its queue.

@@ -142,10 +142,15 @@ def has_died(server, timeout: float = 10.0) -> bool:
 # started, before it could have forked the worker: Python's connect_to_new_process()
 # reads the server's address after letting go of its lock, so a thread whose check
 # found the server running reads None (TypeError) while another that found it dead
-# starts the next; a connect to a dead server's socket is refused or finds no file.
-# Not EOFError: the server may have forked the worker before it died (and been sent
-# its data), and a second start would give its channel two workers.
+# starts the next; a connect to a dead server's socket is refused or finds no file,
+# and passing it the fds meets a closed socket. Counted only when raised inside
+# connect_to_new_process(): the same errors from pickling the worker's data (a
+# dataset whose __getstate__ opens a missing file), or a broken pipe writing it to a
+# child that failed to unpickle it, are the user's, and must not wait on the server.
+# Never EOFError: the server may have forked the worker before it died (and been
+# sent its data), and a second start would give its channel two workers.
 _LOST_SERVER_ERRORS = (TypeError, ConnectionError, FileNotFoundError)
+_MP_FORKSERVER_PY = os.path.join("multiprocessing", "forkserver.py")
 
 
 def lost_during_start(exc: BaseException, pid_before) -> bool:
@@ -155,13 +160,23 @@ def lost_during_start(exc: BaseException, pid_before) -> bool:
     server (or uses the one another thread's start has started). The pool starts
     workers from several threads at once, which torch does not."""
     server = _server()
-    if pid_before is None or server is None or not isinstance(exc, _LOST_SERVER_ERRORS):
+    if (pid_before is None or server is None or not isinstance(exc, _LOST_SERVER_ERRORS)
+            or not _raised_connecting(exc)):
         return False
     if getattr(server, "_forkserver_pid", None) != pid_before:
         return True   # replaced, or being replaced, by another thread's start
-    if isinstance(exc, TypeError):
-        return False   # the same server: a dataset that does not pickle, say
     return has_died(server, timeout=5.0)
+
+
+def _raised_connecting(exc: BaseException) -> bool:
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if (code.co_name == "connect_to_new_process"
+                and code.co_filename.endswith(_MP_FORKSERVER_PY)):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _replace_if_stale(server) -> None:
