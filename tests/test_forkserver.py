@@ -13,6 +13,8 @@ import textwrap
 
 import pytest
 
+from tests.support.server_race import BOTH_REFUSED, RESTART_RACE
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Imported by the child script: watch a process's memory map for fastloader's
@@ -149,7 +151,7 @@ def test_a_warm_server_that_served_the_program_is_kept():
     assert out["exitcode"] == -signal.SIGKILL
 
 
-@pytest.mark.parametrize("how", ["dies while one start restarts it", "dies before both"])
+@pytest.mark.parametrize("how", [RESTART_RACE, BOTH_REFUSED])
 def test_a_server_that_dies_as_two_workers_start_is_started_again(how):
     """The server dies as an epoch's two workers start (fastloader starts them
     from two threads; torch, one after the other). "dies while one start restarts
@@ -158,71 +160,25 @@ def test_a_server_that_dies_as_two_workers_start_is_started_again(how):
     server's address ("TypeError: a bytes-like object is required, not
     'NoneType'", with torch's pickling hint). "dies before both": both have found
     it running, and both connects are refused. Either way each start now tries
-    once more, from the next server, and the epoch is torch's. The interleavings
-    are forced by wrapping the server's ensure_running() and the next server's
-    start."""
+    once more, from the next server, and the epoch is torch's (interleavings
+    forced: tests/support/server_race.py)."""
     out = _run("""
-        import signal, threading
-        from multiprocessing import forkserver as mp_forkserver, util
+        from multiprocessing import forkserver as mp_forkserver
         from tests.support.datasets import TensorLabelDataset
-        HOW = sys.argv[1]
+        from tests.support.server_race import make_it_die
         loader = fastloader.DataLoader(TensorLabelDataset(8), batch_size=2, num_workers=2,
                                        multiprocessing_context="forkserver")
         compare(loader)
         server = mp_forkserver._forkserver
         first = server._forkserver_pid
-        real_ensure, real_spawnv = server.ensure_running, util.spawnv_passfds
-        calls, lock = [], threading.Lock()
-        killed, restarting, raced = threading.Event(), threading.Event(), []
-        both_checked = threading.Barrier(2)
-
-        def zombie(pid):
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-
-        def kill_first():
-            os.kill(first, signal.SIGKILL)
-            deadline = time.monotonic() + 60
-            while not zombie(first) and time.monotonic() < deadline:
-                time.sleep(0.01)
-
-        def ensure_running():
-            if threading.current_thread() is threading.main_thread():
-                return real_ensure()
-            with lock:
-                n = len(calls)
-                calls.append(n)
-            if n >= 2:   # the starts' second tries
-                return real_ensure()
-            if HOW == "dies before both":
-                real_ensure()                 # running, for both
-                if both_checked.wait(60) == 0:
-                    kill_first()
-                both_checked.wait(60)         # and dead before either connects
-                return
-            if n == 0:
-                real_ensure()                 # running
-                kill_first()
-                killed.set()
-                raced.append(restarting.wait(60))   # the other is starting one
-            else:
-                killed.wait(60)
-                real_ensure()                 # dead: starts the next
-
-        def spawnv(*args, **kwargs):
-            if threading.current_thread() is not threading.main_thread():
-                restarting.set()
-                time.sleep(1)   # while the next server's address is not yet set
-            return real_spawnv(*args, **kwargs)
-
-        server.ensure_running, util.spawnv_passfds = ensure_running, spawnv
+        raced = make_it_die(server, sys.argv[1])
         n = compare(loader)
         print(json.dumps({"batches": n, "first": first, "then": server._forkserver_pid,
-                          "raced": raced, "calls": len(calls)}))
+                          "raced": raced}))
     """, argv=[how])
     assert out["batches"] == 4
     assert out["then"] not in (None, out["first"])
-    if how == "dies while one start restarts it":
+    if how == RESTART_RACE:
         assert out["raced"] == [True]
 
 

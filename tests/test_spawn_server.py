@@ -287,58 +287,22 @@ def test_a_server_that_dies_while_two_workers_start_is_started_again_once(tmp_pa
     thread): one thread has found it running, the other finds it dead and starts
     the next. The first must connect to the new server, not fail: Python's
     connect_to_new_process() read the address after the other thread had cleared
-    it (CI: "TypeError: a bytes-like object is required, not 'NoneType'"). The
-    interleaving is forced: the server's ensure_running() and the new server's
-    start are wrapped to wait for each other."""
+    it (CI: "TypeError: a bytes-like object is required, not 'NoneType'").
+    Interleaving forced: tests/support/server_race.py."""
     out, _ = _run(tmp_path, """
-        import threading
-        from multiprocessing import util
+        from tests.support.server_race import RESTART_RACE, make_it_die
         loader = fastloader.DataLoader(Probe(), batch_size=2, num_workers=2,
                                        multiprocessing_context="spawn")
         a = epoch(loader)
-        server = spawn_server._State.server
         first = spawn_server.server_pid()
-        real_ensure, real_spawnv = server.ensure_running, util.spawnv_passfds
-        roles, role_lock = [], threading.Lock()
-        killed, restarting, raced = threading.Event(), threading.Event(), []
-
-        def zombie(pid):
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-
-        def ensure_running():
-            if threading.current_thread() is threading.main_thread():
-                return real_ensure()
-            with role_lock:
-                role = "found it running" if not roles else "starts the next"
-                roles.append(role)
-            if role == "found it running":
-                real_ensure()
-                os.kill(first, signal.SIGKILL)
-                deadline = time.monotonic() + 60
-                while not zombie(first) and time.monotonic() < deadline:
-                    time.sleep(0.01)
-                killed.set()
-                raced.append(restarting.wait(60))   # the other is starting one
-            else:
-                killed.wait(60)
-                real_ensure()
-
-        def spawnv(*args, **kwargs):
-            if threading.current_thread() is not threading.main_thread():
-                restarting.set()
-                time.sleep(1)   # while the new server's address is not yet set
-            return real_spawnv(*args, **kwargs)
-
-        server.ensure_running, util.spawnv_passfds = ensure_running, spawnv
+        raced = make_it_die(spawn_server._State.server, RESTART_RACE)
         b = epoch(loader)
         print(json.dumps({"first": first, "then": spawn_server.server_pid(),
-                          "roles": sorted(roles), "raced": raced,
+                          "raced": raced,
                           "a": [i for x in a for i in x["i"]],
                           "b": [i for x in b for i in x["i"]],
                           "ppid_b": ppids(b)}))
     """)
-    assert out["roles"] == ["found it running", "starts the next"]
     assert out["raced"] == [True]
     assert out["a"] == out["b"] == list(range(8))
     assert out["then"] not in (None, out["first"]) and out["ppid_b"] == [out["then"]]
